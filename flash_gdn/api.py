@@ -1,0 +1,202 @@
+"""Public API: FLA-compatible chunked Gated DeltaNet with autograd.
+
+Shapes (DESIGN section 1): q, k ``[B, T, Hqk, K]``; v ``[B, T, Hv, V]``; g, beta ``[B, T, Hv]``;
+states ``[N, Hv, K, V]`` fp32 (``[N, Hv, V, K]`` with ``state_v_first=True``); with
+``cu_seqlens`` (``[N + 1]``), B == 1 and sequences are packed along T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import dispatch
+from .reference.chunked import chunked_forward
+from .validation import Problem, check_inputs
+
+
+@dataclass
+class ForwardSaved:
+    """What ``chunk_gated_delta_rule_fwd`` hands to ``chunk_gated_delta_rule_bwd``.
+
+    Holds the forward's inputs (not copies) and its options. ``path`` names the
+    implementation that ran the forward ("hopper" or "portable"); ``extras`` holds
+    kernel intermediates a backward may reuse (empty on the portable path).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    scale: float
+    initial_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    use_qk_l2norm_in_kernel: bool
+    state_v_first: bool
+    path: str
+    extras: dict
+
+
+class GDNGrads(NamedTuple):
+    """Gradients returned by ``chunk_gated_delta_rule_bwd``, each shaped like its input."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dh0: torch.Tensor | None
+
+
+def _choose_path(q: torch.Tensor, problem: Problem) -> str:
+    ok, reason = dispatch.hopper_forward_supports(q, problem)
+    path = dispatch.HOPPER if ok else dispatch.PORTABLE
+    dispatch.announce(path, reason)
+    return path
+
+
+def _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first, path):
+    """Run the chosen implementation without autograd; returns (o, final_state, extras)."""
+    if path == dispatch.HOPPER:
+        from .hopper.forward import hopper_forward
+
+        return hopper_forward(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first)
+    o, final_state = chunked_forward(
+        q, k, v, g, beta, problem.scale, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first
+    )
+    return o, final_state, {}
+
+
+def chunk_gated_delta_rule_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, ForwardSaved]:
+    """Low-level forward, no autograd. Returns ``(o, final_state, saved)``.
+
+    ``o`` is ``[B, T, Hv, V]`` in v's dtype; ``final_state`` is fp32 in the chosen state
+    layout (None unless ``output_final_state``); ``saved`` is a :class:`ForwardSaved` to pass
+    to :func:`chunk_gated_delta_rule_bwd`.
+    """
+    problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    path = _choose_path(q, problem)
+    with torch.no_grad():
+        o, final_state, extras = _forward_impl(
+            q, k, v, g, beta, problem, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            state_v_first, path,
+        )
+    saved = ForwardSaved(q, k, v, g, beta, problem.scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                         state_v_first, path, extras)
+    return o, final_state, saved
+
+
+def chunk_gated_delta_rule_bwd(
+    do: torch.Tensor, dht: torch.Tensor | None, saved: ForwardSaved
+) -> GDNGrads:
+    """Low-level backward: gradients of (o, final_state) given ``do`` and ``dht``.
+
+    ``dht`` (the final state's gradient, same layout as the final state) may be None.
+    ``dh0`` is None when the forward had no initial state.
+    """
+    if not isinstance(saved, ForwardSaved):
+        raise TypeError(f"saved must be the ForwardSaved returned by chunk_gated_delta_rule_fwd, got {type(saved).__name__}")
+    if not isinstance(do, torch.Tensor) or do.shape != saved.v.shape:
+        raise ValueError(f"do must be shaped like o {tuple(saved.v.shape)}, got {getattr(do, 'shape', type(do).__name__)}")
+    return _portable_backward(do, dht, saved)
+
+
+def _portable_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
+    """Backward by autograd through the chunked PyTorch algorithm (recomputes the forward)."""
+    leaves = [t.detach().requires_grad_(True) for t in (saved.q, saved.k, saved.v, saved.g, saved.beta)]
+    h0 = None if saved.initial_state is None else saved.initial_state.detach().requires_grad_(True)
+    with torch.enable_grad():
+        o, final_state = chunked_forward(
+            *leaves, saved.scale, h0, dht is not None, saved.use_qk_l2norm_in_kernel, saved.cu_seqlens,
+            saved.state_v_first,
+        )
+        outputs, grads = [o], [do]
+        if dht is not None:
+            outputs.append(final_state)
+            grads.append(dht.to(final_state.dtype))
+        inputs = leaves + ([h0] if h0 is not None else [])
+        result = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    result = [torch.zeros_like(x) if r is None else r for r, x in zip(result, inputs)]
+    dh0 = result[5] if h0 is not None else None
+    return GDNGrads(*result[:5], dh0)
+
+
+class _HopperGDN(torch.autograd.Function):
+    """Autograd around the Hopper forward; the backward goes through ``chunk_gated_delta_rule_bwd``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, problem, output_final_state, use_l2, cu_seqlens, state_v_first):
+        o, final_state, extras = _forward_impl(
+            q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first,
+            dispatch.HOPPER,
+        )
+        ctx.saved = ForwardSaved(q, k, v, g, beta, problem.scale, initial_state, cu_seqlens, use_l2, state_v_first,
+                                 dispatch.HOPPER, extras)
+        ctx.has_final = final_state is not None
+        return (o, final_state) if ctx.has_final else (o,)
+
+    @staticmethod
+    def backward(ctx, do, *rest):
+        dht = rest[0] if ctx.has_final else None
+        grads = chunk_gated_delta_rule_bwd(do, dht, ctx.saved)
+        return grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dh0, None, None, None, None, None
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Chunked Gated DeltaNet (drop-in for FLA's ``chunk_gated_delta_rule``).
+
+    Per value head, ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` and
+    ``o_t = scale * S_t^T q_t``.
+
+    Args:
+        q, k: ``[B, T, Hqk, K]``, float16 / bfloat16 (float32 / float64 on the portable path).
+        v: ``[B, T, Hv, V]``, q's dtype; Hv a multiple of Hqk; value head i reads qk head
+            ``i // (Hv // Hqk)``.
+        g: ``[B, T, Hv]`` gate in natural log (<= 0), any float dtype.
+        beta: ``[B, T, Hv]``, any float dtype.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` (``[N, Hv, V, K]`` with ``state_v_first``), any float dtype.
+        output_final_state: also return the final state (fp32, same layout).
+        use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum(x^2) + 1e-6)``) inside.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences; requires B == 1.
+        state_v_first: states are ``[N, Hv, V, K]`` (the vLLM / SGLang layout).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, Hv, V]`` in v's dtype; final_state or None.
+        Differentiable with respect to q, k, v, g, beta and initial_state.
+    """
+    problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    path = _choose_path(q, problem)
+    if path == dispatch.PORTABLE:
+        return chunked_forward(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, cu_seqlens, state_v_first)
+    out = _HopperGDN.apply(q, k, v, g, beta, initial_state, problem, output_final_state, use_qk_l2norm_in_kernel,
+                           cu_seqlens, state_v_first)
+    return (out[0], out[1]) if output_final_state else (out[0], None)

@@ -1,0 +1,69 @@
+"""GPU timing: kernel time (profiler), eager per-call time, and CUDA-graph replay time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def kernel_time_ms(fn, iters: int) -> float:
+    """Sum of device kernel durations per call, from torch.profiler (launch gaps excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+    return total_us / iters / 1000.0
+
+
+def eager_time_ms(fn, iters: int) -> float:
+    """Wall-clock per call, calls issued back to back, one synchronisation at the end."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1000.0
+
+
+def graph_time_ms(fn, iters: int) -> float | None:
+    """Per-replay time of ``fn`` captured into a CUDA graph, or None if it does not capture."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def iterations_for(fn, budget_s: float = 0.3, lo: int = 3, hi: int = 50) -> int:
+    """Warm up once and pick an iteration count that fits about ``budget_s`` seconds."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = max(time.perf_counter() - start, 1e-6)
+    return int(min(hi, max(lo, budget_s / once)))

@@ -1,0 +1,75 @@
+"""Hopper forward launcher: planning, then prepare_wu -> chunk_state -> chunk_output.
+
+No host synchronisation: grids are sized from shapes, the chunk map is computed on the
+device (``planning``), and every buffer is allocated here from shapes alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..planning import CHUNK, max_chunks, packed_cu_seqlens, plan_chunks
+from ..reference.naive import l2_normalize
+from ..validation import Problem
+from .chunk_output import build_chunk_output
+from .chunk_state import build_chunk_state
+from .prepare_wu import build_prepare_wu
+
+TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """g and beta share one kernel dtype: the input dtype if both have it, else fp32."""
+    return dtype if (g.dtype == dtype and beta.dtype == dtype) else torch.float32
+
+
+def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
+                   state_v_first):
+    """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``."""
+    batch, seq_len = problem.batch, problem.seq_len
+    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    tokens = batch * seq_len
+    dtype = q.dtype
+    tl_dtype = TL_DTYPE[dtype]
+    gate_dtype = _gate_dtype(g, beta, dtype)
+
+    qf = q.reshape(tokens, hqk, dk)
+    kf = k.reshape(tokens, hqk, dk)
+    if use_l2:
+        # TODO(issue 3): fuse into the kernels that read q and k.
+        qf, kf = l2_normalize(qf.float()).to(dtype), l2_normalize(kf.float()).to(dtype)
+    qf, kf = qf.contiguous(), kf.contiguous()
+    vf = v.reshape(tokens, hv, dv).contiguous()
+    gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
+    bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
+
+    cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, q.device)
+    num_chunks = max_chunks(tokens, problem.num_seqs, CHUNK, packed=cu_seqlens is not None) if cu_seqlens is not None \
+        else batch * max(1, -(-seq_len // CHUNK))
+    plan = plan_chunks(cu, num_chunks)
+
+    w = torch.empty(tokens, hv, dk, dtype=dtype, device=q.device)
+    u = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
+    gamma = torch.empty(tokens, hv, dtype=torch.float32, device=q.device)
+    build_prepare_wu(hqk, hv, dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma)
+
+    final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+        h0 = h0.to(torch.float32).contiguous()
+    else:
+        h0 = final_state  # not read: the kernel is compiled without an initial state
+    h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=q.device)
+    v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
+    build_chunk_state(hqk, hv, dk, dv, tl_dtype, initial_state is not None)(
+        kf, w, u, gamma, plan.seq_info, h0, h, v_new, final_state
+    )
+
+    o = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
+    build_chunk_output(hqk, hv, dk, dv, tl_dtype)(qf, kf, v_new, gamma, h, plan.chunk_bounds, problem.scale, o)
+
+    if output_final_state:
+        final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
+    else:
+        final_state = None
+    return o.view(batch, seq_len, hv, dv), final_state, {"gamma": gamma}

@@ -1,0 +1,108 @@
+"""Gate-free chunk inverse on Hopper: A_r = (I + SL(B K K^T))^-1 for every chunk and value head.
+
+DESIGN section 2: the triangular solve never needs the gate, because
+I + SL(B (K K^T * Gamma)) = D (I + SL(B K K^T)) D^-1. One CTA per (chunk, value head):
+
+1. load the chunk's keys (rows past the chunk's end read as 0) and betas;
+2. K K^T on the tensor cores (fp32 accumulate);
+3. L = SL(B K K^T) into shared memory;
+4. forward substitution, row by row: A[i, :] = e_i - sum_{j < i} L[i, j] A[j, :];
+5. rows of the chunk written to ``a_r[token, head, :]``; the chunk-local cumsum of g
+   (gamma, fp32) is produced on the way, since it is indexed the same.
+
+Sizes that change from call to call (tokens, chunks) are symbolic: one compile per
+(head counts, K, dtypes).
+"""
+
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import CHUNK, unit_lower_inverse
+
+
+@functools.lru_cache(maxsize=None)
+def build_kkt_solve(num_qk_heads: int, num_v_heads: int, head_k: int, dtype: str, gate_dtype: str, threads: int = 128):
+    """Compile (or fetch) the kernel for one head configuration. dtype names as TileLang's."""
+    return _kkt_solve_kernel(num_qk_heads, num_v_heads, head_k, dtype, gate_dtype, threads)
+
+
+@tilelang.jit
+def _kkt_solve_kernel(num_qk_heads, num_v_heads, head_k, dtype, gate_dtype, threads):
+    group = num_v_heads // num_qk_heads
+    tokens = T.dynamic("tokens")
+    num_chunks = T.dynamic("num_chunks")
+    accum = "float32"
+
+    @T.prim_func
+    def kkt_solve(
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        g: T.Tensor((tokens, num_v_heads), gate_dtype),
+        beta: T.Tensor((tokens, num_v_heads), gate_dtype),
+        bounds: T.Tensor((num_chunks, 2), "int32"),
+        a_r: T.Tensor((tokens, num_v_heads, CHUNK), accum),
+        gamma: T.Tensor((tokens, num_v_heads), accum),
+    ):
+        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            beta_s = T.alloc_shared((CHUNK,), accum)
+            lower = T.alloc_shared((CHUNK, CHUNK), accum)
+            inv = T.alloc_shared((CHUNK, CHUNK), accum)
+            kkt = T.alloc_fragment((CHUNK, CHUNK), accum)
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+            running = T.alloc_var(accum)
+
+            start = bounds[chunk_id, 0]
+            length = bounds[chunk_id, 1] - start
+            if length > 0:
+                for i, d in T.Parallel(CHUNK, head_k):
+                    k_tile[i, d] = T.if_then_else(i < length, k[start + i, head // group, d], T.cast(0, dtype))
+                for i in T.Parallel(CHUNK):
+                    beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], accum), T.cast(0, accum))
+                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, accum))
+                unit_lower_inverse(lower, inv)
+
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    if i < length:
+                        a_r[start + i, head, j] = inv[i, j]
+
+                # gamma: chunk-local cumulative sum of the gate, in fp32.
+                if T.get_thread_binding() == 0:
+                    running = T.cast(0, accum)
+                    for i in T.serial(CHUNK):
+                        if i < length:
+                            running += T.cast(g[start + i, head], accum)
+                            gamma[start + i, head] = running
+
+    return kkt_solve
+
+
+def chunk_inverse(k, g, beta, cu_seqlens=None):
+    """A_r and gamma for k ``[B, T, Hqk, K]``, g and beta ``[B, T, Hv]`` (launcher of the kernel above).
+
+    Returns ``a_r`` ``[B, T, Hv, 64]`` fp32 (row t holds row t of its chunk's inverse) and
+    ``gamma`` ``[B, T, Hv]`` fp32, the chunk-local cumsum of g.
+    """
+    import torch
+
+    from ..planning import max_chunks, packed_cu_seqlens, plan_chunks
+
+    batch, seq_len, hqk, dk = k.shape
+    hv = g.shape[-1]
+    tokens = batch * seq_len
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    gate_dtype = k.dtype if (g.dtype == k.dtype and beta.dtype == k.dtype) else torch.float32
+    cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, k.device)
+    num_seqs = cu.numel() - 1
+    plan = plan_chunks(cu, max_chunks(tokens, num_seqs))
+    kernel = build_kkt_solve(hqk, hv, dk, names[k.dtype], names[gate_dtype])
+    a_r = torch.empty(tokens, hv, CHUNK, dtype=torch.float32, device=k.device)
+    gamma = torch.empty(tokens, hv, dtype=torch.float32, device=k.device)
+    kernel(k.reshape(tokens, hqk, dk).contiguous(), g.reshape(tokens, hv).to(gate_dtype).contiguous(),
+           beta.reshape(tokens, hv).to(gate_dtype).contiguous(), plan.chunk_bounds, a_r, gamma)
+    return a_r.view(batch, seq_len, hv, CHUNK), gamma.view(batch, seq_len, hv)

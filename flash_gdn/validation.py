@@ -1,0 +1,122 @@
+"""Argument checks of the public API. Every rule raises before any kernel launches.
+
+Checks that need the values of ``cu_seqlens`` run only where they cost no host-device
+synchronisation: when ``cu_seqlens`` lives on the CPU, or when the caller asks for them
+(``FLASH_GDN_CHECK_CU_SEQLENS=1`` or ``validate_cu_seqlens=True``) outside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes of one call, read off the validated arguments."""
+
+    batch: int
+    seq_len: int
+    num_qk_heads: int
+    num_v_heads: int
+    head_k: int
+    head_v: int
+    num_seqs: int
+    scale: float
+
+    @property
+    def group(self) -> int:
+        return self.num_v_heads // self.num_qk_heads
+
+
+def _require(cond: bool, message: str, exc: type[Exception] = ValueError) -> None:
+    if not cond:
+        raise exc(message)
+
+
+def _check_tensor(name: str, x, ndim: int, layout: str) -> None:
+    _require(isinstance(x, torch.Tensor), f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
+    _require(x.dim() == ndim, f"{name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}")
+    _require(x.dtype in FLOAT_DTYPES, f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {x.dtype}", TypeError)
+
+
+def _wants_value_checks(cu_seqlens: torch.Tensor, validate_cu_seqlens: bool | None) -> bool:
+    if cu_seqlens.device.type == "cpu":
+        return True
+    if validate_cu_seqlens is None:
+        validate_cu_seqlens = os.environ.get("FLASH_GDN_CHECK_CU_SEQLENS", "0") == "1"
+    if not validate_cu_seqlens:
+        return False
+    return not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_cu_seqlens(cu_seqlens, seq_len: int, batch: int, validate_values: bool | None = None) -> int:
+    """Validate ``cu_seqlens`` and return the number of sequences N."""
+    _require(isinstance(cu_seqlens, torch.Tensor), f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}", TypeError)
+    _require(cu_seqlens.dim() == 1, f"cu_seqlens must be 1-D [N + 1], got shape {tuple(cu_seqlens.shape)}")
+    _require(cu_seqlens.dtype in INDEX_DTYPES, f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}", TypeError)
+    _require(cu_seqlens.numel() >= 2, f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
+    _require(batch == 1, f"q must have batch size 1 when cu_seqlens is given (sequences are packed along T), got B={batch}")
+    if _wants_value_checks(cu_seqlens, validate_values):
+        values = cu_seqlens.detach().to("cpu", torch.int64)
+        _require(int(values[0]) == 0, f"cu_seqlens must start at 0, got {int(values[0])}")
+        _require(bool((values[1:] >= values[:-1]).all()), "cu_seqlens must be non-decreasing")
+        _require(int(values[-1]) == seq_len, f"cu_seqlens must end at T={seq_len}, got {int(values[-1])}")
+    return cu_seqlens.numel() - 1
+
+
+def check_inputs(
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first: bool, validate_cu_seqlens: bool | None = None
+) -> Problem:
+    """Check every argument of the forward call and return the problem sizes."""
+    _check_tensor("q", q, 4, "[B, T, Hqk, K]")
+    _check_tensor("k", k, 4, "[B, T, Hqk, K]")
+    _check_tensor("v", v, 4, "[B, T, Hv, V]")
+    _check_tensor("g", g, 3, "[B, T, Hv]")
+    _check_tensor("beta", beta, 3, "[B, T, Hv]")
+
+    batch, seq_len, num_qk_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[2], v.shape[3]
+    _require(k.shape == q.shape, f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    _require(v.shape[:2] == q.shape[:2], f"v must be [B, T, Hv, V] with B, T = {tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    _require(g.shape == v.shape[:3], f"g must be [B, T, Hv] = {tuple(v.shape[:3])}, got {tuple(g.shape)}")
+    _require(beta.shape == v.shape[:3], f"beta must be [B, T, Hv] = {tuple(v.shape[:3])}, got {tuple(beta.shape)}")
+    _require(k.dtype == q.dtype, f"k must have q's dtype {q.dtype}, got {k.dtype}", TypeError)
+    _require(v.dtype == q.dtype, f"v must have q's dtype {q.dtype}, got {v.dtype}", TypeError)
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require(x.device == q.device, f"{name} must be on q's device {q.device}, got {x.device}")
+    _require(num_qk_heads > 0 and num_v_heads % num_qk_heads == 0,
+             f"v's head count Hv={num_v_heads} must be a multiple of q's head count Hqk={num_qk_heads}")
+    _require(0 < head_k <= MAX_HEAD_DIM, f"q's head dimension K must be in [1, {MAX_HEAD_DIM}], got {head_k}")
+    _require(0 < head_v <= MAX_HEAD_DIM, f"v's head dimension V must be in [1, {MAX_HEAD_DIM}], got {head_v}")
+
+    if scale is None:
+        scale = head_k**-0.5
+    _require(isinstance(scale, (int, float)) and not isinstance(scale, bool),
+             f"scale must be a Python float or None, got {type(scale).__name__}", TypeError)
+    _require(math.isfinite(scale), f"scale must be finite, got {scale}")
+
+    if cu_seqlens is not None:
+        num_seqs = check_cu_seqlens(cu_seqlens, seq_len, batch, validate_cu_seqlens)
+        _require(cu_seqlens.device.type == "cpu" or cu_seqlens.device == q.device,
+                 f"cu_seqlens must be on q's device {q.device} or on the CPU, got {cu_seqlens.device}")
+    else:
+        num_seqs = batch
+
+    if initial_state is not None:
+        _require(isinstance(initial_state, torch.Tensor), "initial_state must be a torch.Tensor or None", TypeError)
+        expected = (num_seqs, num_v_heads, head_v, head_k) if state_v_first else (num_seqs, num_v_heads, head_k, head_v)
+        layout = "[N, Hv, V, K] (state_v_first=True)" if state_v_first else "[N, Hv, K, V]"
+        _require(tuple(initial_state.shape) == expected,
+                 f"initial_state must be {layout} = {expected}, got {tuple(initial_state.shape)}")
+        _require(initial_state.dtype in FLOAT_DTYPES, f"initial_state must be floating, got {initial_state.dtype}", TypeError)
+        _require(initial_state.device == q.device, f"initial_state must be on q's device {q.device}, got {initial_state.device}")
+
+    return Problem(batch, seq_len, num_qk_heads, num_v_heads, head_k, head_v, num_seqs, float(scale))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On a Hopper GPU host with no network: GPU tests, then the benchmark, a short table last.
+#   scripts/gpu_check.sh [BUNDLE_DIR] [-- extra args for python -m flash_gdn.bench]
+# BUNDLE_DIR (default .gpu) holds the offline bundle of scripts/make_gpu_bundle.sh:
+# site-py312-tilelang0.1.15.tar.xz and fla_core-0.6.0-py3-none-any.whl.
+# Env: BENCH_MODES (default "fwd"), PYTEST_ARGS (extra pytest args), OUT (copy results there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=${1:-.gpu}
+shift || true
+[ "${1:-}" = "--" ] && shift
+site=${SITE:-/tmp/flash_gdn_site}
+if ! python3 -c "import tilelang" 2>/dev/null; then
+  mkdir -p "$site" && tar xJf "$bundle"/site-py312-tilelang*.tar.xz -C "$site" || exit 1
+  python3 -m pip install -q --no-index --no-deps --target "$site/fla" "$bundle"/fla_core-*.whl || exit 1
+  export PYTHONPATH="$site:$site/fla:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" FLA_FLASH_QLA=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+
+python3 -m pytest -q -m "gpu" tests ${PYTEST_ARGS:-} 2>&1 | tee /tmp/gpu_tests.log
+test_rc=${PIPESTATUS[0]}
+
+for mode in ${BENCH_MODES:-fwd}; do
+  python3 -m flash_gdn.bench --mode "$mode" "$@" 2>&1 | tee "/tmp/bench_$mode.log"
+done
+if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$OUT"/ 2>/dev/null; fi
+echo "== GPU tests: $(tail -n 1 /tmp/gpu_tests.log)"
+exit $test_rc

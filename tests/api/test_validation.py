@@ -1,0 +1,141 @@
+"""Bad input raises a ValueError/TypeError naming the argument, before any work; inputs are untouched."""
+
+import math
+
+import pytest
+import torch
+
+from flash_gdn import chunk_gated_delta_rule
+from tests.helpers import make_inputs, random_cu_seqlens
+
+
+def _args(**overrides):
+    inputs = make_inputs(seq_len=20, dtype=torch.float32, seed=0)
+    inputs.update(overrides)
+    return inputs
+
+
+def _raises(exc, match, **kwargs):
+    call = _args(**{k: v for k, v in kwargs.items() if k in ("q", "k", "v", "g", "beta", "initial_state")})
+    extra = {k: v for k, v in kwargs.items() if k not in call}
+    with pytest.raises(exc, match=match):
+        chunk_gated_delta_rule(**call, **extra)
+
+
+def test_q_wrong_rank():
+    _raises(ValueError, "q must be 4-D", q=torch.randn(20, 2, 32))
+
+
+def test_v_wrong_rank():
+    _raises(ValueError, "v must be 4-D", v=torch.randn(1, 20, 4 * 32))
+
+
+def test_g_wrong_rank():
+    _raises(ValueError, "g must be 3-D", g=torch.randn(1, 20, 4, 1))
+
+
+def test_k_shape_mismatch():
+    _raises(ValueError, "k must have q's shape", k=torch.randn(1, 20, 2, 16))
+
+
+def test_v_length_mismatch():
+    _raises(ValueError, "v must be", v=torch.randn(1, 21, 4, 32))
+
+
+def test_beta_shape_mismatch():
+    _raises(ValueError, "beta must be", beta=torch.rand(1, 20, 3))
+
+
+def test_g_shape_mismatch():
+    _raises(ValueError, "g must be", g=-torch.rand(1, 20, 5))
+
+
+def test_mismatched_dtypes():
+    _raises(TypeError, "v must have q's dtype", v=torch.randn(1, 20, 4, 32, dtype=torch.float64))
+
+
+def test_integer_input_rejected():
+    _raises(TypeError, "q must be a floating tensor", q=torch.ones(1, 20, 2, 32, dtype=torch.int32))
+
+
+def test_not_a_tensor():
+    _raises(TypeError, "beta must be a torch.Tensor", beta=[0.5] * 20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_mismatched_devices():
+    _raises(ValueError, "k must be on q's device", k=torch.randn(1, 20, 2, 32, device="cuda"))
+
+
+def test_mismatched_devices_meta():
+    _raises(ValueError, "g must be on q's device", g=torch.zeros(1, 20, 4, device="meta"))
+
+
+def test_hv_not_multiple_of_hqk():
+    _raises(ValueError, "multiple of q's head count", q=torch.randn(1, 20, 3, 32), k=torch.randn(1, 20, 3, 32))
+
+
+def test_unsupported_head_dim():
+    _raises(ValueError, "head dimension K", q=torch.randn(1, 20, 2, 512), k=torch.randn(1, 20, 2, 512))
+
+
+def test_unsupported_value_dim():
+    _raises(ValueError, "head dimension V", v=torch.randn(1, 20, 4, 300), )
+
+
+def test_cu_seqlens_not_1d():
+    _raises(ValueError, "cu_seqlens must be 1-D", cu_seqlens=torch.tensor([[0, 20]]))
+
+
+def test_cu_seqlens_not_integer():
+    _raises(TypeError, "cu_seqlens must be int32 or int64", cu_seqlens=torch.tensor([0.0, 20.0]))
+
+
+def test_cu_seqlens_not_starting_at_zero():
+    _raises(ValueError, "cu_seqlens must start at 0", cu_seqlens=torch.tensor([1, 20]))
+
+
+def test_cu_seqlens_decreasing():
+    _raises(ValueError, "non-decreasing", cu_seqlens=torch.tensor([0, 15, 10, 20]))
+
+
+def test_cu_seqlens_not_ending_at_t():
+    _raises(ValueError, "cu_seqlens must end at T=20", cu_seqlens=torch.tensor([0, 10, 19]))
+
+
+def test_cu_seqlens_with_batch():
+    inputs = make_inputs(batch=2, seq_len=10, dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match="batch size 1 when cu_seqlens"):
+        chunk_gated_delta_rule(**inputs, cu_seqlens=random_cu_seqlens([5, 5]))
+
+
+def test_initial_state_wrong_shape():
+    _raises(ValueError, "initial_state must be", initial_state=torch.randn(1, 4, 16, 32))
+
+
+def test_initial_state_wrong_layout():
+    # [N, Hv, K, V] given where state_v_first expects [N, Hv, V, K]
+    _raises(ValueError, r"initial_state must be \[N, Hv, V, K\]", initial_state=torch.randn(1, 4, 32, 16),
+            v=torch.randn(1, 20, 4, 16), state_v_first=True)
+
+
+def test_initial_state_wrong_n_for_varlen():
+    _raises(ValueError, "initial_state must be", initial_state=torch.randn(1, 4, 32, 32),
+            cu_seqlens=torch.tensor([0, 5, 20]))
+
+
+@pytest.mark.parametrize("scale", [math.inf, math.nan])
+def test_non_finite_scale(scale):
+    _raises(ValueError, "scale must be finite", scale=scale)
+
+
+def test_scale_not_a_number():
+    _raises(TypeError, "scale must be a Python float", scale=torch.tensor(0.5))
+
+
+def test_inputs_not_modified_in_place():
+    inputs = make_inputs(seq_len=70, dtype=torch.float32, initial_state=True, normalize_k=False, seed=1)
+    before = {name: t.clone() for name, t in inputs.items()}
+    chunk_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for name, t in inputs.items():
+        assert torch.equal(t, before[name]), name

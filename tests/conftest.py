@@ -1,0 +1,20 @@
+import pytest
+import torch
+
+
+def _hopper_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a Hopper (SM90) GPU; skipped elsewhere")
+    config.addinivalue_line("markers", "compile: compiles TileLang kernels for sm_90a (needs tilelang and nvcc)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _hopper_available():
+        return
+    skip = pytest.mark.skip(reason="needs a Hopper (SM90) GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

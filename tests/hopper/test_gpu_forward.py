@@ -1,0 +1,133 @@
+"""GPU: the Hopper forward against the fp64 references, on fresh random inputs each run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_fwd
+from flash_gdn.reference import chunked_forward, naive_recurrence
+from tests.gpu_helpers import poisoned
+from tests.helpers import random_cu_seqlens, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = 5e-3
+
+
+def _inputs(t, hqk, hv, d, dtype=torch.bfloat16, gate=(0.0, 1.0), zero_decay_heads=0, n=1, h0=False,
+            state_v_first=False, gate_dtype=torch.float32, batch=1, normalize=True):
+    dev = "cuda"
+    q = torch.randn(batch, t, hqk, d, device=dev)
+    k = torch.randn(batch, t, hqk, d, device=dev)
+    if normalize:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(batch, t, hv, d, device=dev)
+    lo, hi = gate
+    g = -(lo + (hi - lo) * torch.rand(batch, t, hv, device=dev))
+    g[..., :zero_decay_heads] = 0.0
+    beta = torch.rand(batch, t, hv, device=dev)
+    out = dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g.to(gate_dtype), beta=beta.to(gate_dtype))
+    if h0:
+        shape = (n, hv, d, d)
+        out["initial_state"] = torch.randn(*shape, device=dev)
+    return out
+
+
+def _check(inputs, reference="naive", **kwargs):
+    with poisoned():
+        o, s = chunk_gated_delta_rule(**inputs, output_final_state=True, **kwargs)
+    ref_fn = naive_recurrence if reference == "naive" else chunked_forward
+    ref_inputs = {name: t.double() for name, t in inputs.items()}
+    o_ref, s_ref = ref_fn(**ref_inputs, output_final_state=True, **kwargs)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, o_ref) <= TOL, rel_err(o, o_ref)
+    assert rel_err(s, s_ref) <= TOL, rel_err(s, s_ref)
+    return o, s
+
+
+CASES = {
+    "t1000_tp8": dict(t=1000, hqk=2, hv=8, d=128),
+    "t1": dict(t=1, hqk=2, hv=8, d=128),
+    "t63": dict(t=63, hqk=2, hv=4, d=128),
+    "t65_fp16": dict(t=65, hqk=2, hv=4, d=128, dtype=torch.float16),
+    "no_decay": dict(t=300, hqk=1, hv=2, d=128, gate=(0.0, 0.0)),
+    "strong_decay": dict(t=300, hqk=1, hv=2, d=128, gate=(15.0, 20.0)),
+    "mixed_heads": dict(t=500, hqk=2, hv=8, d=128, gate=(0.0, 20.0), zero_decay_heads=3),
+    "d64": dict(t=257, hqk=2, hv=4, d=64),
+    "equal_heads": dict(t=200, hqk=4, hv=4, d=128),
+    "batch3_h0": dict(t=100, hqk=2, hv=4, d=128, batch=3, n=3, h0=True),
+    "bf16_gates": dict(t=150, hqk=2, hv=4, d=128, gate_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_forward_matches_naive(case):
+    _check(_inputs(**CASES[case]))
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_forward_varlen(state_v_first, index_dtype):
+    lengths = [1, 0, 64, 300, 5, 63, 129, 0, 1000]
+    n = len(lengths)
+    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=n, h0=True)
+    if state_v_first:
+        inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()
+    cu = random_cu_seqlens(lengths, device="cuda", dtype=index_dtype)
+    _check(inputs, cu_seqlens=cu, state_v_first=state_v_first)
+
+
+def test_forward_l2norm_in_kernel():
+    _check(_inputs(400, 2, 8, 128, normalize=False), use_qk_l2norm_in_kernel=True)
+
+
+def test_forward_128k_tokens():
+    inputs = _inputs(128 * 1024, 1, 2, 128, gate=(0.0, 0.5))
+    _check(inputs, reference="chunked")
+
+
+def test_forward_is_deterministic():
+    lengths = [700, 3000, 1]
+    inputs = _inputs(sum(lengths), 2, 8, 128, n=3, h0=True)
+    cu = random_cu_seqlens(lengths, device="cuda")
+    first = chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
+    for _ in range(3):
+        again = chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_forward_captures_into_cuda_graph():
+    lengths = [100, 1, 900, 64]
+    n = len(lengths)
+    cu = random_cu_seqlens(lengths, device="cuda", dtype=torch.int32)
+    static = _inputs(sum(lengths), 2, 8, 128, n=n, h0=True)
+    chunk_gated_delta_rule(**static, cu_seqlens=cu, output_final_state=True)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, s = chunk_gated_delta_rule(**static, cu_seqlens=cu, output_final_state=True)
+    fresh = _inputs(sum(lengths), 2, 8, 128, n=n, h0=True)
+    for name, t in fresh.items():
+        static[name].copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = {name: t.double() for name, t in fresh.items()}
+    o_ref, s_ref = naive_recurrence(**ref, cu_seqlens=cu, output_final_state=True)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+def test_low_level_forward_reports_hopper_path():
+    _, _, saved = chunk_gated_delta_rule_fwd(**_inputs(70, 2, 4, 128))
+    assert saved.path == "hopper"
+
+
+def test_autograd_on_hopper_path_matches_reference():
+    inputs = _inputs(150, 2, 4, 128, h0=True)
+    leaves = {name: t.clone().requires_grad_(True) for name, t in inputs.items()}
+    o, s = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    (o.float().square().sum() + s.sum()).backward()
+    ref = {name: t.double().requires_grad_(True) for name, t in inputs.items()}
+    o_r, s_r = naive_recurrence(**ref, output_final_state=True)
+    (o_r.square().sum() + s_r.sum()).backward()
+    for name in leaves:
+        assert rel_err(leaves[name].grad, ref[name].grad) <= 2e-2, name
