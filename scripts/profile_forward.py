@@ -1,0 +1,41 @@
+"""Per-kernel GPU time of one forward call (torch.profiler), for the rows given on the command line.
+
+    python3 scripts/profile_forward.py 2/8:1x32768 16/64:8192x4
+"""
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flash_gdn import chunk_gated_delta_rule
+from flash_gdn.bench.rows import parse_lengths
+
+
+def profile_row(spec: str, iters: int = 5) -> None:
+    heads, seqlens = spec.split(":")
+    hqk, hv = (int(x) for x in heads.split("/"))
+    lengths = parse_lengths(seqlens)
+    t, d = sum(lengths), 128
+    q = torch.nn.functional.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, t, hv, d, device="cuda", dtype=torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, t, hv, device="cuda"))
+    beta = torch.rand(1, t, hv, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+        torch.cuda.synchronize()
+    print(f"== {spec}: per call, us")
+    rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
+    for name, us in sorted(rows, key=lambda r: -r[1]):
+        print(f"  {us:9.1f}  {name[:90]}")
+    print(f"  {sum(us for _, us in rows):9.1f}  total")
+
+
+if __name__ == "__main__":
+    for spec in sys.argv[1:] or ["2/8:1x32768", "16/64:8192x4"]:
+        profile_row(spec)
