@@ -16,14 +16,15 @@ from .tiles import ACCUM, CHUNK
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_output(num_qk_heads: int, num_v_heads: int, head_k: int, head_v: int, dtype: str):
-    return _chunk_output_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype)
+def build_chunk_output(head_k: int, head_v: int, dtype: str):
+    return _chunk_output_kernel(head_k, head_v, dtype)
 
 
 @tilelang.jit
-def _chunk_output_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, threads=128):
-    group = num_v_heads // num_qk_heads
+def _chunk_output_kernel(head_k, head_v, dtype, threads=128):
     tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
 
     @T.prim_func
@@ -52,11 +53,11 @@ def _chunk_output_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, threa
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
-                for i, d in T.Parallel(CHUNK, head_k):
-                    q_tile[i, d] = T.if_then_else(i < length, q[start + i, head // group, d], T.cast(0, dtype))
-                    k_tile[i, d] = T.if_then_else(i < length, k[start + i, head // group, d], T.cast(0, dtype))
-                for i, d in T.Parallel(CHUNK, head_v):
-                    vn_tile[i, d] = T.if_then_else(i < length, v_new[start + i, head, d], T.cast(0, dtype))
+                # Rows past the chunk's end are never written, and the causal mask (j <= i) keeps
+                # them out of the rows that are.
+                T.copy(q[start:start + CHUNK, head // (num_v_heads // num_qk_heads), 0:head_k], q_tile)
+                T.copy(k[start:start + CHUNK, head // (num_v_heads // num_qk_heads), 0:head_k], k_tile)
+                T.copy(v_new[start:start + CHUNK, head, 0:head_v], vn_tile)
                 for i in T.Parallel(CHUNK):
                     gamma_s[i] = T.if_then_else(i < length, gamma[start + i, head], T.cast(0, ACCUM))
                 T.copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile)

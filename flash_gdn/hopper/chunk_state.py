@@ -19,15 +19,17 @@ from .tiles import ACCUM, CHUNK
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_state(num_qk_heads: int, num_v_heads: int, head_k: int, head_v: int, dtype: str, has_initial: bool,
-                      block_v: int = 64):
-    return _chunk_state_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, has_initial, block_v)
+def build_chunk_state(head_k: int, head_v: int, dtype: str, has_initial: bool,
+                      block_v: int = 64, num_stages: int = 2):
+    return _chunk_state_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages)
 
 
 @tilelang.jit
-def _chunk_state_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, has_initial, block_v, threads=128):
-    group = num_v_heads // num_qk_heads
+def _chunk_state_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages,
+                        threads=128):
     tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
     num_seqs = T.dynamic("num_seqs")
 
@@ -69,17 +71,16 @@ def _chunk_state_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, has_in
             else:
                 T.clear(state)
 
-            for c in T.serial(T.ceildiv(seq_end - seq_start, CHUNK)):
+            # Tile loads of chunk c + 1 overlap the products of chunk c. Rows past the
+            # sequence's end hold the next sequence's tokens: their weight below is zero.
+            for c in T.Pipelined(T.ceildiv(seq_end - seq_start, CHUNK), num_stages=num_stages):
+                T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head // (num_v_heads // num_qk_heads), 0:head_k], k_tile)
+                T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, v0:v0 + block_v], u_tile)
+                T.copy(state, state_s)
+                T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
-                T.copy(state, state_s)
-                for i, j in T.Parallel(head_k, block_v):
-                    h[first_chunk + c, head, i, v0 + j] = state_s[i, j]
-                for i, d in T.Parallel(CHUNK, head_k):
-                    k_tile[i, d] = T.if_then_else(i < length, k[start + i, head // group, d], T.cast(0, dtype))
-                    w_tile[i, d] = T.if_then_else(i < length, w[start + i, head, d], T.cast(0, dtype))
-                for i, j in T.Parallel(CHUNK, block_v):
-                    u_tile[i, j] = T.if_then_else(i < length, u[start + i, head, v0 + j], T.cast(0, dtype))
                 for i in T.Parallel(CHUNK):
                     gamma_s[i] = T.if_then_else(i < length, gamma[start + i, head], T.cast(0, ACCUM))
 

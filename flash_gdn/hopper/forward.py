@@ -51,7 +51,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=q.device)
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
     gamma = torch.empty(tokens, hv, dtype=torch.float32, device=q.device)
-    build_prepare_wu(hqk, hv, dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma)
+    build_prepare_wu(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma)
 
     final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
     if initial_state is not None:
@@ -61,12 +61,12 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         h0 = final_state  # not read: the kernel is compiled without an initial state
     h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=q.device)
     v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
-    build_chunk_state(hqk, hv, dk, dv, tl_dtype, initial_state is not None)(
+    build_chunk_state(dk, dv, tl_dtype, initial_state is not None)(
         kf, w, u, gamma, plan.seq_info, h0, h, v_new, final_state
     )
 
     o = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
-    build_chunk_output(hqk, hv, dk, dv, tl_dtype)(qf, kf, v_new, gamma, h, plan.chunk_bounds, problem.scale, o)
+    build_chunk_output(dk, dv, tl_dtype)(qf, kf, v_new, gamma, h, plan.chunk_bounds, problem.scale, o)
 
     if output_final_state:
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state

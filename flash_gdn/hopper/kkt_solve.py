@@ -24,15 +24,16 @@ from .tiles import CHUNK, unit_lower_inverse
 
 
 @functools.lru_cache(maxsize=None)
-def build_kkt_solve(num_qk_heads: int, num_v_heads: int, head_k: int, dtype: str, gate_dtype: str, threads: int = 128):
+def build_kkt_solve(head_k: int, dtype: str, gate_dtype: str, threads: int = 128):
     """Compile (or fetch) the kernel for one head configuration. dtype names as TileLang's."""
-    return _kkt_solve_kernel(num_qk_heads, num_v_heads, head_k, dtype, gate_dtype, threads)
+    return _kkt_solve_kernel(head_k, dtype, gate_dtype, threads)
 
 
 @tilelang.jit
-def _kkt_solve_kernel(num_qk_heads, num_v_heads, head_k, dtype, gate_dtype, threads):
-    group = num_v_heads // num_qk_heads
+def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
     tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
     accum = "float32"
 
@@ -48,36 +49,41 @@ def _kkt_solve_kernel(num_qk_heads, num_v_heads, head_k, dtype, gate_dtype, thre
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             beta_s = T.alloc_shared((CHUNK,), accum)
+            g_s = T.alloc_shared((CHUNK,), accum)
             lower = T.alloc_shared((CHUNK, CHUNK), accum)
             inv = T.alloc_shared((CHUNK, CHUNK), accum)
+            column = T.alloc_local((CHUNK,), accum)
             kkt = T.alloc_fragment((CHUNK, CHUNK), accum)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
-            running = T.alloc_var(accum)
 
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
                 for i, d in T.Parallel(CHUNK, head_k):
-                    k_tile[i, d] = T.if_then_else(i < length, k[start + i, head // group, d], T.cast(0, dtype))
+                    k_tile[i, d] = T.if_then_else(i < length, k[start + i, head // (num_v_heads // num_qk_heads), d], T.cast(0, dtype))
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], accum), T.cast(0, accum))
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, accum))
-                unit_lower_inverse(lower, inv)
+                unit_lower_inverse(lower, inv, column)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i < length:
                         a_r[start + i, head, j] = inv[i, j]
 
-                # gamma: chunk-local cumulative sum of the gate, in fp32.
-                if T.get_thread_binding() == 0:
-                    running = T.cast(0, accum)
-                    for i in T.serial(CHUNK):
-                        if i < length:
-                            running += T.cast(g[start + i, head], accum)
-                            gamma[start + i, head] = running
+                # gamma: chunk-local cumulative sum of the gate, in fp32; each thread sums its
+                # own prefix from shared memory.
+                for i in T.Parallel(CHUNK):
+                    g_s[i] = T.if_then_else(i < length, T.cast(g[start + i, head], accum), T.cast(0, accum))
+                for i in T.Parallel(CHUNK):
+                    prefix = T.alloc_var(accum)
+                    prefix = T.cast(0, accum)
+                    for j in T.serial(i + 1):
+                        prefix += g_s[j]
+                    if i < length:
+                        gamma[start + i, head] = prefix
 
     return kkt_solve
 
@@ -100,7 +106,7 @@ def chunk_inverse(k, g, beta, cu_seqlens=None):
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, k.device)
     num_seqs = cu.numel() - 1
     plan = plan_chunks(cu, max_chunks(tokens, num_seqs))
-    kernel = build_kkt_solve(hqk, hv, dk, names[k.dtype], names[gate_dtype])
+    kernel = build_kkt_solve(dk, names[k.dtype], names[gate_dtype])
     a_r = torch.empty(tokens, hv, CHUNK, dtype=torch.float32, device=k.device)
     gamma = torch.empty(tokens, hv, dtype=torch.float32, device=k.device)
     kernel(k.reshape(tokens, hqk, dk).contiguous(), g.reshape(tokens, hv).to(gate_dtype).contiguous(),

@@ -19,14 +19,15 @@ from .tiles import ACCUM, CHUNK, unit_lower_inverse
 
 
 @functools.lru_cache(maxsize=None)
-def build_prepare_wu(num_qk_heads: int, num_v_heads: int, head_k: int, head_v: int, dtype: str, gate_dtype: str):
-    return _prepare_wu_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, gate_dtype)
+def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str):
+    return _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype)
 
 
 @tilelang.jit
-def _prepare_wu_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, gate_dtype, threads=128):
-    group = num_v_heads // num_qk_heads
+def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
     tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
 
     @T.prim_func
@@ -45,8 +46,10 @@ def _prepare_wu_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, gate_dt
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            g_s = T.alloc_shared((CHUNK,), ACCUM)
             lower = T.alloc_shared((CHUNK, CHUNK), ACCUM)
             inv = T.alloc_shared((CHUNK, CHUNK), ACCUM)
+            column = T.alloc_local((CHUNK,), ACCUM)
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
             a_w = T.alloc_shared((CHUNK, CHUNK), dtype)
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
@@ -54,28 +57,30 @@ def _prepare_wu_kernel(num_qk_heads, num_v_heads, head_k, head_v, dtype, gate_dt
             w_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
-            running = T.alloc_var(ACCUM)
 
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
-                for i, d in T.Parallel(CHUNK, head_k):
-                    k_tile[i, d] = T.if_then_else(i < length, k[start + i, head // group, d], T.cast(0, dtype))
-                for i, d in T.Parallel(CHUNK, head_v):
-                    v_tile[i, d] = T.if_then_else(i < length, v[start + i, head, d], T.cast(0, dtype))
+                # Rows past the chunk's end hold the next sequence's tokens (or zeros past the
+                # tensor): beta_s = 0 there makes their rows and columns of A_g vanish.
+                T.copy(k[start:start + CHUNK, head // (num_v_heads // num_qk_heads), 0:head_k], k_tile)
+                T.copy(v[start:start + CHUNK, head, 0:head_v], v_tile)
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
-                if T.get_thread_binding() == 0:
-                    running = T.cast(0, ACCUM)
-                    for i in T.serial(CHUNK):
-                        if i < length:
-                            running += T.cast(g[start + i, head], ACCUM)
-                        gamma_s[i] = running
+                for i in T.Parallel(CHUNK):
+                    g_s[i] = T.if_then_else(i < length, T.cast(g[start + i, head], ACCUM), T.cast(0, ACCUM))
+                # gamma: each thread sums its own prefix from shared memory (no serial global reads).
+                for i in T.Parallel(CHUNK):
+                    prefix = T.alloc_var(ACCUM)
+                    prefix = T.cast(0, ACCUM)
+                    for j in T.serial(i + 1):
+                        prefix += g_s[j]
+                    gamma_s[i] = prefix
 
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, ACCUM))
-                unit_lower_inverse(lower, inv)
+                unit_lower_inverse(lower, inv, column)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     a_u[i, j] = T.if_then_else(

@@ -17,20 +17,24 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
 
 
-def kernel_builders(num_qk_heads: int, num_v_heads: int, head_dim: int, dtype: str):
-    """(name, zero-argument builder) for each kernel of one head configuration."""
-    hqk, hv, d = num_qk_heads, num_v_heads, head_dim
+def kernel_builders(head_dim: int, dtype: str):
+    """(name, zero-argument builder) for each kernel of one head size and dtype.
+
+    Head counts, token counts and chunk counts are symbolic in every kernel, so these
+    variants cover every head configuration and sequence mix.
+    """
+    d = head_dim
     gate_dtypes = sorted({"float32", dtype})
-    builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(hqk, hv, d, dtype, gd)) for gd in gate_dtypes]
-    builders += [(f"prepare_wu[{dtype},{gd}]", lambda gd=gd: build_prepare_wu(hqk, hv, d, d, dtype, gd))
+    builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
+    builders += [(f"prepare_wu[{dtype},{gd}]", lambda gd=gd: build_prepare_wu(d, d, dtype, gd))
                  for gd in gate_dtypes]
-    builders += [(f"chunk_state[{dtype},h0={h0}]", lambda h0=h0: build_chunk_state(hqk, hv, d, d, dtype, h0))
+    builders += [(f"chunk_state[{dtype},h0={h0}]", lambda h0=h0: build_chunk_state(d, d, dtype, h0))
                  for h0 in (False, True)]
-    builders.append((f"chunk_output[{dtype}]", lambda: build_chunk_output(hqk, hv, d, d, dtype)))
+    builders.append((f"chunk_output[{dtype}]", lambda: build_chunk_output(d, d, dtype)))
     return builders
 
 
-def all_variants(num_qk_heads: int = 2, num_v_heads: int = 8):
+def all_variants():
     for dtype, d in itertools.product(DTYPES, HEAD_DIMS):
-        for name, build in kernel_builders(num_qk_heads, num_v_heads, d, dtype):
+        for name, build in kernel_builders(d, dtype):
             yield f"{name}[K=V={d}]", build
