@@ -8,6 +8,8 @@ from .api import (
     chunk_gated_delta_rule_fwd,
 )
 
+from .warmup import warmup
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -16,5 +18,6 @@ __all__ = [
     "chunk_gated_delta_rule_bwd",
     "ForwardSaved",
     "GDNGrads",
+    "warmup",
     "__version__",
 ]
