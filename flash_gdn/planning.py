@@ -22,10 +22,11 @@ def packed_cu_seqlens(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None,
     return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
 
 
-def max_chunks(total_tokens: int, num_seqs: int, chunk: int = CHUNK, packed: bool = True) -> int:
-    """An upper bound on the number of chunks, from shapes only."""
-    per_seq_bound = -(-total_tokens // chunk) + (num_seqs if packed else 0)
-    return max(1, per_seq_bound)
+def chunk_capacity(batch: int, seq_len: int, num_seqs: int, varlen: bool, chunk: int = CHUNK) -> int:
+    """An upper bound on the number of chunks, from shapes only (exact without cu_seqlens)."""
+    if not varlen:
+        return max(1, batch * -(-seq_len // chunk))
+    return -(-batch * seq_len // chunk) + num_seqs
 
 
 class ChunkPlan(NamedTuple):
@@ -39,6 +40,12 @@ class ChunkPlan(NamedTuple):
 
     chunk_bounds: torch.Tensor
     seq_info: torch.Tensor
+
+
+def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
+    """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given."""
+    cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device)
+    return plan_chunks(cu, chunk_capacity(batch, seq_len, cu.numel() - 1, cu_seqlens is not None))
 
 
 def plan_chunks(cu: torch.Tensor, num_chunks: int, chunk: int = CHUNK) -> ChunkPlan:

@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import CHUNK, max_chunks, packed_cu_seqlens, plan_chunks
+from ..planning import plan_for
 from ..reference.naive import l2_normalize
 from ..validation import Problem
 from .chunk_output import build_chunk_output
 from .chunk_state import build_chunk_state
 from .prepare_wu import build_prepare_wu
-
-TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def _gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """g and beta share one kernel dtype: the input dtype if both have it, else fp32."""
-    return dtype if (g.dtype == dtype and beta.dtype == dtype) else torch.float32
+from .tiles import TL_DTYPE, kernel_gate_dtype
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
@@ -31,7 +25,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     tokens = batch * seq_len
     dtype = q.dtype
     tl_dtype = TL_DTYPE[dtype]
-    gate_dtype = _gate_dtype(g, beta, dtype)
+    gate_dtype = kernel_gate_dtype(g, beta, dtype)
 
     qf = q.reshape(tokens, hqk, dk)
     kf = k.reshape(tokens, hqk, dk)
@@ -43,10 +37,8 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
     bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
 
-    cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, q.device)
-    num_chunks = max_chunks(tokens, problem.num_seqs, CHUNK, packed=cu_seqlens is not None) if cu_seqlens is not None \
-        else batch * max(1, -(-seq_len // CHUNK))
-    plan = plan_chunks(cu, num_chunks)
+    plan = plan_for(batch, seq_len, cu_seqlens, q.device)
+    num_chunks = plan.chunk_bounds.shape[0]
 
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=q.device)
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)

@@ -20,7 +20,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import CHUNK, unit_lower_inverse
+from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype, unit_lower_inverse
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,17 +96,14 @@ def chunk_inverse(k, g, beta, cu_seqlens=None):
     """
     import torch
 
-    from ..planning import max_chunks, packed_cu_seqlens, plan_chunks
+    from ..planning import plan_for
 
     batch, seq_len, hqk, dk = k.shape
     hv = g.shape[-1]
     tokens = batch * seq_len
-    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    gate_dtype = k.dtype if (g.dtype == k.dtype and beta.dtype == k.dtype) else torch.float32
-    cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, k.device)
-    num_seqs = cu.numel() - 1
-    plan = plan_chunks(cu, max_chunks(tokens, num_seqs))
-    kernel = build_kkt_solve(dk, names[k.dtype], names[gate_dtype])
+    gate_dtype = kernel_gate_dtype(g, beta, k.dtype)
+    plan = plan_for(batch, seq_len, cu_seqlens, k.device)
+    kernel = build_kkt_solve(dk, TL_DTYPE[k.dtype], TL_DTYPE[gate_dtype])
     a_r = torch.empty(tokens, hv, CHUNK, dtype=torch.float32, device=k.device)
     gamma = torch.empty(tokens, hv, dtype=torch.float32, device=k.device)
     kernel(k.reshape(tokens, hqk, dk).contiguous(), g.reshape(tokens, hv).to(gate_dtype).contiguous(),

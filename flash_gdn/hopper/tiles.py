@@ -1,9 +1,17 @@
 """TileLang building blocks shared by the Hopper kernels (chunk size C = 64)."""
 
 import tilelang.language as T
+import torch
 
 CHUNK = 64
 ACCUM = "float32"
+
+TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def kernel_gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """g and beta share one kernel dtype: the input dtype if both have it, else fp32."""
+    return dtype if (g.dtype == dtype and beta.dtype == dtype) else torch.float32
 
 
 @T.macro
