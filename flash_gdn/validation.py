@@ -31,10 +31,6 @@ class Problem:
     num_seqs: int
     scale: float
 
-    @property
-    def group(self) -> int:
-        return self.num_v_heads // self.num_qk_heads
-
 
 def _require(cond: bool, message: str, exc: type[Exception] = ValueError) -> None:
     if not cond:

@@ -20,7 +20,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype, unit_lower_inverse
+from .tiles import CHUNK, TL_DTYPE, chunk_prefix_sum, kernel_gate_dtype, unit_lower_inverse
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +50,7 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             beta_s = T.alloc_shared((CHUNK,), accum)
             g_s = T.alloc_shared((CHUNK,), accum)
+            gamma_s = T.alloc_shared((CHUNK,), accum)
             lower = T.alloc_shared((CHUNK, CHUNK), accum)
             inv = T.alloc_shared((CHUNK, CHUNK), accum)
             column = T.alloc_local((CHUNK,), accum)
@@ -73,17 +74,13 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                     if i < length:
                         a_r[start + i, head, j] = inv[i, j]
 
-                # gamma: chunk-local cumulative sum of the gate, in fp32; each thread sums its
-                # own prefix from shared memory.
+                # gamma: chunk-local cumulative sum of the gate, in fp32.
                 for i in T.Parallel(CHUNK):
                     g_s[i] = T.if_then_else(i < length, T.cast(g[start + i, head], accum), T.cast(0, accum))
+                chunk_prefix_sum(g_s, gamma_s)
                 for i in T.Parallel(CHUNK):
-                    prefix = T.alloc_var(accum)
-                    prefix = T.cast(0, accum)
-                    for j in T.serial(i + 1):
-                        prefix += g_s[j]
                     if i < length:
-                        gamma[start + i, head] = prefix
+                        gamma[start + i, head] = gamma_s[i]
 
     return kkt_solve
 

@@ -15,7 +15,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import ACCUM, CHUNK, unit_lower_inverse
+from .tiles import ACCUM, CHUNK, chunk_prefix_sum, unit_lower_inverse
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,13 +69,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
                 for i in T.Parallel(CHUNK):
                     g_s[i] = T.if_then_else(i < length, T.cast(g[start + i, head], ACCUM), T.cast(0, ACCUM))
-                # gamma: each thread sums its own prefix from shared memory (no serial global reads).
-                for i in T.Parallel(CHUNK):
-                    prefix = T.alloc_var(ACCUM)
-                    prefix = T.cast(0, ACCUM)
-                    for j in T.serial(i + 1):
-                        prefix += g_s[j]
-                    gamma_s[i] = prefix
+                chunk_prefix_sum(g_s, gamma_s)
 
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):

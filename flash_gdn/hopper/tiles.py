@@ -32,3 +32,18 @@ def unit_lower_inverse(lower: T.SharedBuffer((CHUNK, CHUNK), ACCUM), inv: T.Shar
                 column[i] -= lower[i, j] * column[j]
         for i in T.unroll(CHUNK):
             inv[i, tx] = column[i]
+
+
+@T.macro
+def chunk_prefix_sum(values: T.SharedBuffer((CHUNK,), ACCUM), prefix: T.SharedBuffer((CHUNK,), ACCUM)):
+    """prefix[i] = sum_{j <= i} values[j]: gamma, the chunk-local cumsum of g (DESIGN section 2).
+
+    Each thread sums its own prefix from shared memory, so no thread walks global memory
+    serially.
+    """
+    for i in T.Parallel(CHUNK):
+        acc = T.alloc_var(ACCUM)
+        acc = T.cast(0, ACCUM)
+        for j in T.serial(i + 1):
+            acc += values[j]
+        prefix[i] = acc
