@@ -6,7 +6,8 @@ I + SL(B (K K^T * Gamma)) = D (I + SL(B K K^T)) D^-1. One CTA per (chunk, value 
 1. load the chunk's keys (rows past the chunk's end read as 0) and betas;
 2. K K^T on the tensor cores (fp32 accumulate);
 3. L = SL(B K K^T) into shared memory;
-4. forward substitution, row by row: A[i, :] = e_i - sum_{j < i} L[i, j] A[j, :];
+4. the blocked inverse of ``tiles.blocked_unit_lower_inverse`` (16x16 diagonal blocks by
+   substitution, two tensor-core merges);
 5. rows of the chunk written to ``a_r[token, head, :]``; the chunk-local cumsum of g
    (gamma, fp32) is produced on the way, since it is indexed the same.
 
@@ -20,7 +21,8 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import CHUNK, TL_DTYPE, chunk_prefix_sum, kernel_gate_dtype, unit_lower_inverse
+from .tiles import (BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse,
+                    kernel_gate_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,8 +54,13 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
             g_s = T.alloc_shared((CHUNK,), accum)
             gamma_s = T.alloc_shared((CHUNK,), accum)
             lower = T.alloc_shared((CHUNK, CHUNK), accum)
-            inv = T.alloc_shared((CHUNK, CHUNK), accum)
-            column = T.alloc_local((CHUNK,), accum)
+            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            off32 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            scratch = T.alloc_shared((CHUNK, CHUNK), HALF)
+            column = T.alloc_local((BLOCK,), accum)
+            inv = T.alloc_fragment((CHUNK, CHUNK), accum)
             kkt = T.alloc_fragment((CHUNK, CHUNK), accum)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
@@ -68,7 +75,7 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, accum))
-                unit_lower_inverse(lower, inv, column)
+                blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i < length:
@@ -77,7 +84,7 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                 # gamma: chunk-local cumulative sum of the gate, in fp32.
                 for i in T.Parallel(CHUNK):
                     g_s[i] = T.if_then_else(i < length, T.cast(g[start + i, head], accum), T.cast(0, accum))
-                chunk_prefix_sum(g_s, gamma_s)
+                T.cumsum(g_s, gamma_s)
                 for i in T.Parallel(CHUNK):
                     if i < length:
                         gamma[start + i, head] = gamma_s[i]

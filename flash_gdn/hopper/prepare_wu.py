@@ -7,7 +7,8 @@ Per chunk and value head (DESIGN section 2), with A_r the gate-free inverse:
     W = A_g D K,  i.e.  W = (e^gamma_i A_r[i, j] beta_j) K
 
 so that the state stage only needs V_new = U - W S. Nothing here depends on the state,
-so every (chunk, head) is an independent CTA.
+so every (chunk, value head) is an independent CTA. (A TMA-pipelined variant walking
+several chunks per CTA measured slower: 1 CTA/SM instead of 3; see docs/performance.md.)
 """
 
 import functools
@@ -15,7 +16,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import ACCUM, CHUNK, chunk_prefix_sum, unit_lower_inverse
+from .tiles import ACCUM, BLOCK, CHUNK, HALF, blocked_unit_lower_inverse
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,42 +40,57 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
         bounds: T.Tensor((num_chunks, 2), "int32"),
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
         u: T.Tensor((tokens, num_v_heads, head_v), dtype),
-        gamma: T.Tensor((tokens, num_v_heads), ACCUM),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
-            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             g_s = T.alloc_shared((CHUNK,), ACCUM)
+            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             lower = T.alloc_shared((CHUNK, CHUNK), ACCUM)
-            inv = T.alloc_shared((CHUNK, CHUNK), ACCUM)
-            column = T.alloc_local((CHUNK,), ACCUM)
+            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            off32 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            scratch = T.alloc_shared((CHUNK, CHUNK), HALF)
+            column = T.alloc_local((BLOCK,), ACCUM)
+            inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
             a_w = T.alloc_shared((CHUNK, CHUNK), dtype)
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             u_acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
             w_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            qk_head = T.alloc_var("int32")
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
+            beta_r = T.alloc_var(ACCUM)
+            g_r = T.alloc_var(ACCUM)
+            tx = T.get_thread_binding()
 
+            qk_head = head // (num_v_heads // num_qk_heads)
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
                 # Rows past the chunk's end hold the next sequence's tokens (or zeros past the
-                # tensor): beta_s = 0 there makes their rows and columns of A_g vanish.
-                T.copy(k[start:start + CHUNK, head // (num_v_heads // num_qk_heads), 0:head_k], k_tile)
+                # tensor): beta = 0 there makes their rows and columns of A_g vanish.
+                # beta and g go to registers first (their loads in flight with the K and V
+                # tiles') and to shared memory after K K^T.
+                beta_r = T.cast(0, ACCUM)
+                g_r = T.cast(0, ACCUM)
+                if tx < length:
+                    beta_r = T.cast(beta[start + tx, head], ACCUM)
+                    g_r = T.cast(g[start + tx, head], ACCUM)
+                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile)
                 T.copy(v[start:start + CHUNK, head, 0:head_v], v_tile)
-                for i in T.Parallel(CHUNK):
-                    beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
-                for i in T.Parallel(CHUNK):
-                    g_s[i] = T.if_then_else(i < length, T.cast(g[start + i, head], ACCUM), T.cast(0, ACCUM))
-                chunk_prefix_sum(g_s, gamma_s)
-
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                if tx < CHUNK:
+                    beta_s[tx] = beta_r
+                    g_s[tx] = g_r
+                T.cumsum(g_s, gamma_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, ACCUM))
-                unit_lower_inverse(lower, inv, column)
+                blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     a_u[i, j] = T.if_then_else(
@@ -93,7 +109,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                     if i < length:
                         w[start + i, head, d] = T.cast(w_acc[i, d], dtype)
                 for i in T.Parallel(CHUNK):
-                    if i < length:
-                        gamma[start + i, head] = gamma_s[i]
+                    gamma[head, chunk_id, i] = gamma_s[i]  # = gamma_C past the chunk's end
 
     return prepare_wu
+

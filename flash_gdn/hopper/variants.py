@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 
-from .chunk_output import build_chunk_output
 from .chunk_state import build_chunk_state
 from .kkt_solve import build_kkt_solve
 from .prepare_wu import build_prepare_wu
+from .state_output import build_state_output
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
@@ -30,7 +30,8 @@ def kernel_builders(head_dim: int, dtype: str):
                  for gd in gate_dtypes]
     builders += [(f"chunk_state[{dtype},h0={h0}]", lambda h0=h0: build_chunk_state(d, d, dtype, h0))
                  for h0 in (False, True)]
-    builders.append((f"chunk_output[{dtype}]", lambda: build_chunk_output(d, d, dtype)))
+    builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
+                 for h0 in (False, True)]
     return builders
 
 

@@ -45,7 +45,8 @@ def test_kkt_solve_matches_reference(lengths, hqk, hv, dk, dtype):
         a_r, gamma = chunk_inverse(k, g, beta, cu)
     ref = _reference(k, beta, cu, hv)
     assert torch.isfinite(a_r).all() and torch.isfinite(gamma).all()
-    assert rel_err(a_r, ref) <= 1e-3
+    # fp16 tensor-core operands in the blocked merges: ~2^-11 relative per product.
+    assert rel_err(a_r, ref) <= 2e-3
     # gamma is the chunk-local cumsum of g, restarting at every sequence
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         for c0 in range(a, b, 64):

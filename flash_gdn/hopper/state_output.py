@@ -1,0 +1,136 @@
+"""Forward stage 2 (sequential over chunks): state recurrence and output in one kernel.
+
+One CTA per (V block, sequence, value head) walks its sequence's chunks in order with the
+state block S [K, block_v] in fp32 registers; nothing per chunk goes back to HBM except O.
+Per chunk (DESIGN section 2, W and U from ``prepare_wu``):
+
+    V_new = U - W S
+    O     = (scale D Q) S + P V_new,        P = scale * Gamma * tril(Q K^T)
+    S     = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V_new
+
+The decay weights are folded into copies of the Q and K tiles (Q_g, K_g) before the
+state-dependent products, so V_new is stored once, unscaled, and feeds both P V_new and
+the state update. Every exponent is <= 0.
+
+Rows past the end of a sequence's last chunk hold the next sequence's tokens (or zeros past
+the tensor): V_new and K_g are zeroed there, the causal mask keeps them out of P, and their
+output rows are not written.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import ACCUM, CHUNK
+
+
+@functools.lru_cache(maxsize=None)
+def build_state_output(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int = 128,
+                       num_stages: int = 2):
+    return _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages)
+
+
+@tilelang.jit
+def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages):
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunks = T.dynamic("num_chunks")
+    threads = 128 * (block_v // 64)
+
+    @T.prim_func
+    def state_output(
+        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        seq_info: T.Tensor((num_seqs, 3), "int32"),
+        initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        scale: T.float32,
+        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+    ):
+        with T.Kernel(T.ceildiv(head_v, block_v), num_seqs, num_v_heads, threads=threads) as (vb, seq, head):
+            q_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            w_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            u_tile = T.alloc_shared((CHUNK, block_v), dtype)
+            state_s = T.alloc_shared((head_k, block_v), dtype)
+            p_s = T.alloc_shared((CHUNK, CHUNK), dtype)
+            vn_s = T.alloc_shared((CHUNK, block_v), dtype)
+            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            state = T.alloc_fragment((head_k, block_v), ACCUM)
+            qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            vn = T.alloc_fragment((CHUNK, block_v), ACCUM)
+            out = T.alloc_fragment((CHUNK, block_v), ACCUM)
+            seq_start = T.alloc_var("int32")
+            seq_end = T.alloc_var("int32")
+            first_chunk = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+            gamma_last = T.alloc_var(ACCUM)
+            qk_head = T.alloc_var("int32")
+            v0 = vb * block_v
+
+            qk_head = head // (num_v_heads // num_qk_heads)
+
+            seq_start = seq_info[seq, 0]
+            seq_end = seq_info[seq, 1]
+            first_chunk = seq_info[seq, 2]
+            if has_initial:
+                for i, j in T.Parallel(head_k, block_v):
+                    state[i, j] = initial_state[seq, head, i, v0 + j]
+            else:
+                T.clear(state)
+
+            for c in T.Pipelined(T.ceildiv(seq_end - seq_start, CHUNK), num_stages=num_stages):
+                T.copy(q[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], q_tile)
+                T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
+                T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, v0:v0 + block_v], u_tile)
+                T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
+                start = seq_start + c * CHUNK
+                length = T.min(seq_end - start, CHUNK)
+                T.copy(state, state_s)
+                gamma_last = gamma_s[length - 1]
+
+                # State-independent: P, then Q_g = scale D Q and K_g = diag(e^(gamma_C - gamma)) K
+                # in place of the Q and K tiles. gamma is per chunk (one aligned TMA box) and constant
+                # past the chunk's end.
+                T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    p_s[i, j] = T.if_then_else(
+                        i >= j, T.cast(qk[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * scale, dtype), T.cast(0, dtype)
+                    )
+                for i, d in T.Parallel(CHUNK, head_k):
+                    q_tile[i, d] = T.cast(q_tile[i, d] * (T.exp(gamma_s[i]) * scale), dtype)
+                    k_tile[i, d] = T.if_then_else(
+                        i < length, T.cast(k_tile[i, d] * T.exp(gamma_last - gamma_s[i]), dtype), T.cast(0, dtype)
+                    )
+
+                # V_new = U - W S (zero past the sequence's end).
+                T.gemm(w_tile, state_s, vn, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, block_v):
+                    vn_s[i, j] = T.if_then_else(
+                        i < length, T.cast(T.cast(u_tile[i, j], ACCUM) - vn[i, j], dtype), T.cast(0, dtype)
+                    )
+
+                # O = Q_g S + P V_new.
+                T.gemm(q_tile, state_s, out, clear_accum=True)
+                T.gemm(p_s, vn_s, out)
+                for i, j in T.Parallel(CHUNK, block_v):
+                    if i < length:
+                        o[start + i, head, v0 + j] = T.cast(out[i, j], dtype)
+
+                # S = e^gamma_C S + K_g^T V_new.
+                for i, j in T.Parallel(head_k, block_v):
+                    state[i, j] = state[i, j] * T.exp(gamma_last)
+                T.gemm(k_tile, vn_s, state, transpose_A=True)
+
+            for i, j in T.Parallel(head_k, block_v):
+                final_state[seq, head, i, v0 + j] = state[i, j]
+
+    return state_output
