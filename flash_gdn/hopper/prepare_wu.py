@@ -94,10 +94,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     a_u[i, j] = T.if_then_else(
-                        i >= j, T.cast(inv[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * beta_s[j], dtype), T.cast(0, dtype)
+                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], dtype), T.cast(0, dtype)
                     )
                     a_w[i, j] = T.if_then_else(
-                        i >= j, T.cast(inv[i, j] * T.exp(gamma_s[i]) * beta_s[j], dtype), T.cast(0, dtype)
+                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j], dtype), T.cast(0, dtype)
                     )
                 T.gemm(a_u, v_tile, u_acc, clear_accum=True)
                 T.gemm(a_w, k_tile, w_acc, clear_accum=True)

@@ -62,6 +62,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             p_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             vn_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            q_scale = T.alloc_shared((CHUNK,), ACCUM)
+            k_scale = T.alloc_shared((CHUNK,), ACCUM)
             state = T.alloc_fragment((head_k, block_v), ACCUM)
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             vn = T.alloc_fragment((CHUNK, block_v), ACCUM)
@@ -72,6 +74,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
             gamma_last = T.alloc_var(ACCUM)
+            decay = T.alloc_var(ACCUM)
             qk_head = T.alloc_var("int32")
             v0 = vb * block_v
 
@@ -100,16 +103,19 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 # State-independent: P, then Q_g = scale D Q and K_g = diag(e^(gamma_C - gamma)) K
                 # in place of the Q and K tiles. gamma is per chunk (one aligned TMA box) and constant
                 # past the chunk's end.
+                # Row factors once per row (fast exp: every argument is <= 0).
+                for i in T.Parallel(CHUNK):
+                    q_scale[i] = T.__exp(gamma_s[i]) * scale
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
+                decay = T.__exp(gamma_last)
                 T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     p_s[i, j] = T.if_then_else(
-                        i >= j, T.cast(qk[i, j] * T.exp(gamma_s[i] - gamma_s[j]) * scale, dtype), T.cast(0, dtype)
+                        i >= j, T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * scale, dtype), T.cast(0, dtype)
                     )
                 for i, d in T.Parallel(CHUNK, head_k):
-                    q_tile[i, d] = T.cast(q_tile[i, d] * (T.exp(gamma_s[i]) * scale), dtype)
-                    k_tile[i, d] = T.if_then_else(
-                        i < length, T.cast(k_tile[i, d] * T.exp(gamma_last - gamma_s[i]), dtype), T.cast(0, dtype)
-                    )
+                    q_tile[i, d] = T.cast(q_tile[i, d] * q_scale[i], dtype)
+                    k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
 
                 # V_new = U - W S (zero past the sequence's end).
                 T.gemm(w_tile, state_s, vn, clear_accum=True)
@@ -127,7 +133,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
 
                 # S = e^gamma_C S + K_g^T V_new.
                 for i, j in T.Parallel(head_k, block_v):
-                    state[i, j] = state[i, j] * T.exp(gamma_last)
+                    state[i, j] = state[i, j] * decay
                 T.gemm(k_tile, vn_s, state, transpose_A=True)
 
             for i, j in T.Parallel(head_k, block_v):
