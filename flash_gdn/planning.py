@@ -64,3 +64,55 @@ def plan_chunks(cu: torch.Tensor, num_chunks: int, chunk: int = CHUNK) -> ChunkP
     bounds = (torch.stack([start, end], dim=1) * valid[:, None]).to(torch.int32)
     seq_info = torch.stack([cu[:-1], cu[1:], first_chunk], dim=1).to(torch.int32)
     return ChunkPlan(bounds, seq_info)
+
+
+class SegmentPlan(NamedTuple):
+    """Chunk-aligned segments of every sequence, for context parallelism (DESIGN section 4).
+
+    seg_info: ``[S, 3]`` int32, per segment: first token, one-past-last token, index of its
+        first chunk in the chunk map (same layout as ``ChunkPlan.seq_info``; unused entries 0).
+    first_seg: ``[N]`` int64, index of each sequence's first segment.
+    num_segs: ``[N]`` int64, segments per sequence (at least 1, so an empty sequence still
+        carries its initial state to its final state).
+    max_segs: host bound on ``num_segs`` (from shapes), the length of the initial-state scan.
+    """
+
+    seg_info: torch.Tensor
+    first_seg: torch.Tensor
+    num_segs: torch.Tensor
+    max_segs: int
+
+
+def segment_capacity(max_chunks: int, num_seqs: int, seg_chunks: int) -> int:
+    """An upper bound on the number of segments: sum_n max(1, ceil(chunks_n / s)) <= ceil(C / s) + N."""
+    return -(-max_chunks // seg_chunks) + num_seqs
+
+
+def plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+                  seg_chunks: int) -> SegmentPlan:
+    """Split every sequence into segments of ``seg_chunks`` chunks (the last one shorter), on the device."""
+    cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device).to(torch.int64)
+    num_seqs = cu.numel() - 1
+    varlen = cu_seqlens is not None
+    max_chunks = chunk_capacity(batch, seq_len, num_seqs, varlen)
+    capacity = segment_capacity(max_chunks, num_seqs, seg_chunks)
+    seg_tokens = seg_chunks * CHUNK
+
+    lens = cu[1:] - cu[:-1]
+    chunks_per_seq = (lens + CHUNK - 1) // CHUNK
+    seq_first_chunk = torch.cumsum(chunks_per_seq, 0) - chunks_per_seq
+    segs_per_seq = torch.clamp((chunks_per_seq + seg_chunks - 1) // seg_chunks, min=1)
+    seg_end = torch.cumsum(segs_per_seq, 0)
+    first_seg = seg_end - segs_per_seq
+
+    idx = torch.arange(capacity, device=device, dtype=torch.int64)
+    seq = torch.searchsorted(seg_end, idx, right=True)
+    valid = seq < num_seqs
+    seq = seq.clamp(max=num_seqs - 1)
+    j = idx - first_seg[seq]
+    start = torch.minimum(cu[seq] + j * seg_tokens, cu[seq + 1])
+    end = torch.minimum(start + seg_tokens, cu[seq + 1])
+    first_chunk = seq_first_chunk[seq] + j * seg_chunks
+    seg_info = (torch.stack([start, end, first_chunk], dim=1) * valid[:, None]).to(torch.int32)
+    max_segs = max(1, -(-(max_chunks if varlen else -(-seq_len // CHUNK)) // seg_chunks))
+    return SegmentPlan(seg_info, first_seg, segs_per_seq, max_segs)

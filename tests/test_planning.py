@@ -25,3 +25,25 @@ def test_fixed_length_batch_is_exact():
     plan = plan_for(3, 100, None, torch.device("cpu"))
     assert plan.chunk_bounds.tolist() == [[0, 64], [64, 100], [100, 164], [164, 200], [200, 264], [264, 300]]
     assert plan.seq_info[:, 2].tolist() == [0, 2, 4]
+
+
+def test_segments_tile_every_sequence_in_order():
+    from flash_gdn.planning import plan_segments
+
+    lengths = [1, 0, 64, 300, 5, 1000]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    chunk_plan = plan_for(1, sum(lengths), cu, torch.device("cpu"))
+    segs = plan_segments(1, sum(lengths), cu, torch.device("cpu"), seg_chunks=2)
+    info = segs.seg_info.long()
+    for n, length in enumerate(lengths):
+        first, count = int(segs.first_seg[n]), int(segs.num_segs[n])
+        assert count == max(1, -(-length // 128))
+        assert count <= segs.max_segs
+        pieces = info[first:first + count]
+        assert int(pieces[0, 0]) == int(cu[n]) and int(pieces[-1, 1]) == int(cu[n + 1])
+        assert torch.equal(pieces[1:, 0], pieces[:-1, 1])  # contiguous
+        for start, end, first_chunk in pieces.tolist():
+            if end > start:  # the segment's first chunk starts where the segment does
+                assert int(chunk_plan.chunk_bounds[first_chunk, 0]) == start
+    used = int(segs.num_segs.sum())
+    assert (info[used:] == 0).all()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import plan_for
+from ..planning import chunk_capacity, plan_for, plan_segments
 from ..reference.naive import l2_normalize
 from ..validation import Problem
+from .context_parallel import segment_chunks_for, segment_initial_states
 from .prepare_wu import build_prepare_wu
+from .segment_state import build_segment_state
 from .state_output import build_state_output
 from .tiles import TL_DTYPE, kernel_gate_dtype
 
@@ -46,16 +48,32 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     gamma = torch.empty(hv, num_chunks, 64, dtype=torch.float32, device=q.device)
     build_prepare_wu(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma)
 
-    final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
+    h0 = None
     if initial_state is not None:
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
         h0 = h0.to(torch.float32).contiguous()
-    else:
-        h0 = final_state  # not read: the kernel is compiled without an initial state
     o = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
-    build_state_output(dk, dv, tl_dtype, initial_state is not None, state_block_v(dv))(
-        qf, kf, w, u, gamma, plan.seq_info, h0, problem.scale, o, final_state
-    )
+
+    def state_output(has_initial):
+        return build_state_output(dk, dv, tl_dtype, has_initial, state_block_v(dv))
+
+    max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
+    seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
+    if seg_chunks is None:
+        final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
+        # Without an initial state the kernel is compiled not to read one (any buffer will do).
+        state_output(has_initial=h0 is not None)(
+            qf, kf, w, u, gamma, plan.seq_info, final_state if h0 is None else h0, problem.scale, o, final_state
+        )
+    else:
+        segs = plan_segments(batch, seq_len, cu_seqlens, q.device, seg_chunks)
+        capacity = segs.seg_info.shape[0]
+        seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
+        build_segment_state(dk, dv, tl_dtype)(kf, w, u, gamma, segs.seg_info, seg_state)
+        seg_init = segment_initial_states(seg_state, segs, h0, dv)
+        seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
+        state_output(has_initial=True)(qf, kf, w, u, gamma, segs.seg_info, seg_init, problem.scale, o, seg_final)
+        final_state = seg_final[segs.first_seg + segs.num_segs - 1]
 
     if output_final_state:
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state

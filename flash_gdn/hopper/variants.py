@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 
-from .chunk_state import build_chunk_state
 from .kkt_solve import build_kkt_solve
 from .prepare_wu import build_prepare_wu
+from .segment_state import build_segment_state
 from .state_output import build_state_output
 
 DTYPES = ("bfloat16", "float16")
@@ -28,8 +28,7 @@ def kernel_builders(head_dim: int, dtype: str):
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
     builders += [(f"prepare_wu[{dtype},{gd}]", lambda gd=gd: build_prepare_wu(d, d, dtype, gd))
                  for gd in gate_dtypes]
-    builders += [(f"chunk_state[{dtype},h0={h0}]", lambda h0=h0: build_chunk_state(d, d, dtype, h0))
-                 for h0 in (False, True)]
+    builders.append((f"segment_state[{dtype}]", lambda: build_segment_state(d, d, dtype)))
     builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
                  for h0 in (False, True)]
     return builders

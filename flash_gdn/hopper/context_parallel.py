@@ -1,0 +1,74 @@
+"""Intra-card context parallelism for the forward pass (DESIGN section 4), exact.
+
+When sequences x value heads leave most SMs idle (long sequences, TP4/TP8 head counts), each
+sequence is cut into chunk-aligned segments that run as independent sequences:
+
+1. ``segment_state`` gives every segment's end state from zero, h, and its transition
+   matrix M (fp32), so that S_end = M S_start + h;
+2. a scan over each sequence's segments: S_start[s + 1] = M_s S_start[s] + h_s, in fp32
+   (exact also for heads whose gates never decay: nothing is truncated);
+3. ``state_output`` over the segments with those initial states.
+
+Everything is planned on the device from ``cu_seqlens``; the host only uses shapes.
+``FLASH_GDN_CP=0`` turns it off; ``FLASH_GDN_CP_SEGMENT_CHUNKS=n`` forces segments of n chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..planning import SegmentPlan
+
+MIN_SEGMENT_CHUNKS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
+    """Chunks per segment, or None when context parallelism would not help.
+
+    The transition pass runs (V + K) / 64 = 4 CTAs per segment and head, two per SM; the
+    output pass one CTA per segment and head. Aim both at about one wave:
+    segments x Hv ~ SMs / 2.
+    """
+    if os.environ.get("FLASH_GDN_CP", "1") == "0":
+        return None
+    forced = os.environ.get("FLASH_GDN_CP_SEGMENT_CHUNKS")
+    if forced:
+        return max(1, int(forced))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target_segments = num_sms(index) // (2 * num_v_heads)
+    if target_segments <= num_seqs:
+        return None
+    seg_chunks = max(MIN_SEGMENT_CHUNKS, -(-max_chunks // target_segments))
+    if -(-max_chunks // seg_chunks) <= 1:
+        return None
+    return seg_chunks
+
+
+def segment_initial_states(seg_state: torch.Tensor, plan: SegmentPlan, initial_state: torch.Tensor | None,
+                           head_v: int) -> torch.Tensor:
+    """Initial state of every segment, ``[segments, Hv, K, V]`` fp32, by the sequential scan.
+
+    ``seg_state`` is ``[segments, Hv, K, V + K]`` = [h | M]. One batched step per segment
+    position j (host loop of ``max_segs`` steps, no synchronisation); sequences with fewer
+    segments write to a spare row instead.
+    """
+    capacity, hv, dk, _ = seg_state.shape
+    h, m = seg_state[..., :head_v], seg_state[..., head_v:]
+    init = torch.zeros(capacity + 1, hv, dk, head_v, dtype=torch.float32, device=seg_state.device)
+    if initial_state is not None:
+        init[plan.first_seg] = initial_state
+    spare = torch.full_like(plan.first_seg, capacity)
+    for j in range(1, plan.max_segs):
+        valid = plan.num_segs > j
+        target = torch.where(valid, plan.first_seg + j, spare)
+        prev = torch.where(valid, plan.first_seg + j - 1, 0)
+        init[target] = torch.matmul(m[prev], init[prev]) + h[prev]
+    return init[:capacity]

@@ -1,0 +1,104 @@
+"""Context parallelism, pass 1: every segment's end state from zero and its transition matrix.
+
+A segment is a chunk-aligned piece of a sequence (``planning.plan_segments``). Over a
+segment, S_end = M S_start + h (DESIGN section 4), with the chunk step of section 2 written
+as a left multiplication:
+
+    S <- e^gamma_C S + K_g^T (U - W S) = (e^gamma_C I - K_g^T W) S + K_g^T U
+
+so h is the recurrence run from S = 0 with the real U, and M the same recurrence run from
+S = I with U = 0. One CTA per (64-column block of [h | M], segment, value head); columns
+0..V-1 are h, columns V..V+K-1 are M. Both are written in fp32 to ``seg_state``
+``[segments, Hv, K, V + K]``.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import ACCUM, CHUNK
+
+BLOCK_COLS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def build_segment_state(head_k: int, head_v: int, dtype: str, num_stages: int = 2):
+    return _segment_state_kernel(head_k, head_v, dtype, num_stages)
+
+
+@tilelang.jit
+def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_chunks = T.dynamic("num_chunks")
+    num_segs = T.dynamic("num_segs")
+    h_blocks = head_v // BLOCK_COLS
+
+    @T.prim_func
+    def segment_state(
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        seg_info: T.Tensor((num_segs, 3), "int32"),
+        seg_state: T.Tensor((num_segs, num_v_heads, head_k, head_v + head_k), ACCUM),
+    ):
+        with T.Kernel(h_blocks + head_k // BLOCK_COLS, num_segs, num_v_heads, threads=threads) as (cb, seg, head):
+            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            w_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            u_tile = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)
+            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            k_scale = T.alloc_shared((CHUNK,), ACCUM)
+            state_s = T.alloc_shared((head_k, BLOCK_COLS), dtype)
+            vn_s = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)
+            state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
+            vn = T.alloc_fragment((CHUNK, BLOCK_COLS), ACCUM)
+            qk_head = T.alloc_var("int32")
+            seg_start = T.alloc_var("int32")
+            seg_end = T.alloc_var("int32")
+            first_chunk = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+            gamma_last = T.alloc_var(ACCUM)
+            decay = T.alloc_var(ACCUM)
+            # The M part loads a U tile it never uses (weight 0): one branch-free pipeline.
+            u_col = T.min(cb, h_blocks - 1) * BLOCK_COLS
+            m_col = (cb - h_blocks) * BLOCK_COLS
+
+            qk_head = head // (num_v_heads // num_qk_heads)
+            seg_start = seg_info[seg, 0]
+            seg_end = seg_info[seg, 1]
+            first_chunk = seg_info[seg, 2]
+            for i, j in T.Parallel(head_k, BLOCK_COLS):
+                state[i, j] = T.if_then_else(cb >= h_blocks and i == m_col + j, T.cast(1, ACCUM), T.cast(0, ACCUM))
+
+            for c in T.Pipelined(T.ceildiv(seg_end - seg_start, CHUNK), num_stages=num_stages):
+                T.copy(k[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
+                T.copy(w[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+                T.copy(u[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + BLOCK_COLS], u_tile)
+                T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
+                start = seg_start + c * CHUNK
+                length = T.min(seg_end - start, CHUNK)
+                T.copy(state, state_s)
+                gamma_last = gamma_s[length - 1]
+                for i in T.Parallel(CHUNK):
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
+                decay = T.__exp(gamma_last)
+
+                T.gemm(w_tile, state_s, vn, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, BLOCK_COLS):
+                    vn_s[i, j] = T.cast(
+                        T.if_then_else(cb < h_blocks, T.cast(u_tile[i, j], ACCUM), T.cast(0, ACCUM)) - vn[i, j], dtype
+                    )
+                for i, d in T.Parallel(CHUNK, head_k):
+                    k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
+                for i, j in T.Parallel(head_k, BLOCK_COLS):
+                    state[i, j] = state[i, j] * decay
+                T.gemm(k_tile, vn_s, state, transpose_A=True)
+
+            for i, j in T.Parallel(head_k, BLOCK_COLS):
+                seg_state[seg, head, i, cb * BLOCK_COLS + j] = state[i, j]
+
+    return segment_state
