@@ -65,10 +65,17 @@ def segment_initial_states(seg_state: torch.Tensor, plan: SegmentPlan, initial_s
     init = torch.zeros(capacity + 1, hv, dk, head_v, dtype=torch.float32, device=seg_state.device)
     if initial_state is not None:
         init[plan.first_seg] = initial_state
-    spare = torch.full_like(plan.first_seg, capacity)
-    for j in range(1, plan.max_segs):
-        valid = plan.num_segs > j
-        target = torch.where(valid, plan.first_seg + j, spare)
-        prev = torch.where(valid, plan.first_seg + j - 1, 0)
-        init[target] = torch.matmul(m[prev], init[prev]) + h[prev]
+    # Indices of every step at once: target[j - 1, n] is segment j of sequence n (or the
+    # spare row when n has fewer segments), prev[j - 1, n] the segment before it.
+    steps = torch.arange(1, plan.max_segs, device=seg_state.device)[:, None]
+    valid = plan.num_segs[None, :] > steps
+    target = torch.where(valid, plan.first_seg[None, :] + steps, capacity)
+    prev = torch.where(valid, target - 1, 0)
+    batch = plan.first_seg.numel() * hv
+    for j in range(plan.max_segs - 1):
+        # init[s] = M[s - 1] init[s - 1] + h[s - 1], batched over sequences and heads.
+        init[target[j]] = torch.baddbmm(
+            h[prev[j]].reshape(batch, dk, head_v), m[prev[j]].reshape(batch, dk, dk),
+            init[prev[j]].reshape(batch, dk, head_v),
+        ).view(-1, hv, dk, head_v)
     return init[:capacity]

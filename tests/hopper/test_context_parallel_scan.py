@@ -1,0 +1,32 @@
+"""CPU: the segment initial-state scan of context parallelism against a plain loop."""
+
+import torch
+
+from flash_gdn.hopper.context_parallel import segment_initial_states
+from flash_gdn.planning import plan_segments
+
+
+def test_scan_matches_sequential_loop():
+    torch.manual_seed(0)
+    lengths = [1, 0, 300, 5, 1000]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    segs = plan_segments(1, sum(lengths), cu, torch.device("cpu"), seg_chunks=2)
+    hv, dk, dv = 3, 4, 5
+    seg_state = 0.5 * torch.randn(segs.seg_info.shape[0], hv, dk, dv + dk)
+    h0 = torch.randn(len(lengths), hv, dk, dv)
+    init = segment_initial_states(seg_state, segs, h0, dv)
+    for n in range(len(lengths)):
+        first, count, state = int(segs.first_seg[n]), int(segs.num_segs[n]), h0[n]
+        for j in range(count):
+            torch.testing.assert_close(init[first + j], state)
+            # S_end = M S_start + h over segment first + j.
+            state = seg_state[first + j, ..., dv:] @ state + seg_state[first + j, ..., :dv]
+
+
+def test_scan_without_initial_state_starts_from_zero():
+    cu = torch.tensor([0, 700], dtype=torch.int32)
+    segs = plan_segments(1, 700, cu, torch.device("cpu"), seg_chunks=4)
+    seg_state = torch.randn(segs.seg_info.shape[0], 2, 4, 9)
+    init = segment_initial_states(seg_state, segs, None, 5)
+    assert torch.equal(init[0], torch.zeros(2, 4, 5))
+    torch.testing.assert_close(init[1], seg_state[0, ..., :5])
