@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ..planning import chunk_capacity, plan_for, plan_segments
-from ..reference.naive import l2_normalize
 from ..validation import Problem
 from .context_parallel import segment_chunks_for, segment_initial_states
 from .prepare_wu import build_prepare_wu
@@ -28,12 +27,10 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     tl_dtype = TL_DTYPE[dtype]
     gate_dtype = kernel_gate_dtype(g, beta, dtype)
 
-    qf = q.reshape(tokens, hqk, dk)
-    kf = k.reshape(tokens, hqk, dk)
-    if use_l2:
-        # TODO(issue 3): fuse into the kernels that read q and k.
-        qf, kf = l2_normalize(qf.float()).to(dtype), l2_normalize(kf.float()).to(dtype)
-    qf, kf = qf.contiguous(), kf.contiguous()
+    # The L2 norm of q and k (use_l2) is fused: prepare_wu computes the inverse row norms,
+    # the state kernels fold them into their row factors.
+    qf = q.reshape(tokens, hqk, dk).contiguous()
+    kf = k.reshape(tokens, hqk, dk).contiguous()
     vf = v.reshape(tokens, hv, dv).contiguous()
     gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
     bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
@@ -46,7 +43,11 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # gamma (chunk-local cumsum of g) per value head and chunk, gamma_C past its end: one
     # chunk's gammas are one 16-byte-aligned TMA box.
     gamma = torch.empty(hv, num_chunks, 64, dtype=torch.float32, device=q.device)
-    build_prepare_wu(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma)
+    q_norm_inv = torch.empty(hqk, num_chunks, 64, dtype=torch.float32, device=q.device)
+    k_norm_inv = torch.empty(hqk, num_chunks, 64, dtype=torch.float32, device=q.device)
+    build_prepare_wu(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(
+        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv
+    )
 
     h0 = None
     if initial_state is not None:
@@ -63,16 +64,19 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
         # Without an initial state the kernel is compiled not to read one (any buffer will do).
         state_output(has_initial=h0 is not None)(
-            qf, kf, w, u, gamma, plan.seq_info, final_state if h0 is None else h0, problem.scale, o, final_state
+            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, plan.seq_info, final_state if h0 is None else h0,
+            problem.scale, o, final_state,
         )
     else:
         segs = plan_segments(batch, seq_len, cu_seqlens, q.device, seg_chunks)
         capacity = segs.seg_info.shape[0]
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
-        build_segment_state(dk, dv, tl_dtype)(kf, w, u, gamma, segs.seg_info, seg_state)
+        build_segment_state(dk, dv, tl_dtype)(kf, w, u, gamma, k_norm_inv, segs.seg_info, seg_state)
         seg_init = segment_initial_states(seg_state, segs, h0, dv)
         seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
-        state_output(has_initial=True)(qf, kf, w, u, gamma, segs.seg_info, seg_init, problem.scale, o, seg_final)
+        state_output(has_initial=True)(
+            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final
+        )
         final_state = seg_final[segs.first_seg + segs.num_segs - 1]
 
     if output_final_state:

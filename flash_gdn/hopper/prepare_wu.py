@@ -6,7 +6,13 @@ Per chunk and value head (DESIGN section 2), with A_r the gate-free inverse:
     U = A_g V
     W = A_g D K,  i.e.  W = (e^gamma_i A_r[i, j] beta_j) K
 
-so that the state stage only needs V_new = U - W S. Nothing here depends on the state,
+so that the state stage only needs V_new = U - W S.
+
+Fused L2 norm (``normalize`` = 1): K K^T's diagonal gives |k_i|^2, so with
+r_i = 1 / sqrt(|k_i|^2 + 1e-6) the normalised keys enter as K K^T -> r_i (K K^T)_ij r_j and
+W = (A_w diag(r)) K; no normalised copy of k is written. The inverse norms of k and q per
+qk head and chunk (``k_norm_inv``, ``q_norm_inv``, 1 when not normalising) are written by the
+first value head of each group, for the state kernels to fold into their row factors. Nothing here depends on the state,
 so every (chunk, value head) is an independent CTA. (A TMA-pipelined variant walking
 several chunks per CTA measured slower: 1 CTA/SM instead of 3; see docs/performance.md.)
 """
@@ -41,12 +47,20 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
         u: T.Tensor((tokens, num_v_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        normalize: T.int32,
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
             g_s = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
+            q_inv = T.alloc_shared((CHUNK,), ACCUM)
+            q_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            qqt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             lower = T.alloc_shared((CHUNK, CHUNK), ACCUM)
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
@@ -66,9 +80,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
             length = T.alloc_var("int32")
             beta_r = T.alloc_var(ACCUM)
             g_r = T.alloc_var(ACCUM)
+            writes_norms = T.alloc_var("int32")
             tx = T.get_thread_binding()
 
             qk_head = head // (num_v_heads // num_qk_heads)
+            writes_norms = head % (num_v_heads // num_qk_heads) == 0
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
@@ -89,7 +105,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                     g_s[tx] = g_r
                 T.cumsum(g_s, gamma_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, ACCUM))
+                    if i == j:
+                        k_inv[i] = T.if_then_else(normalize != 0, 1 / T.sqrt(kkt[i, j] + 1e-6), T.cast(1, ACCUM))
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[j], T.cast(0, ACCUM))
                 blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
@@ -97,7 +116,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                         i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], dtype), T.cast(0, dtype)
                     )
                     a_w[i, j] = T.if_then_else(
-                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j], dtype), T.cast(0, dtype)
+                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j] * k_inv[j], dtype), T.cast(0, dtype)
                     )
                 T.gemm(a_u, v_tile, u_acc, clear_accum=True)
                 T.gemm(a_w, k_tile, w_acc, clear_accum=True)
@@ -110,6 +129,19 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                         w[start + i, head, d] = T.cast(w_acc[i, d], dtype)
                 for i in T.Parallel(CHUNK):
                     gamma[head, chunk_id, i] = gamma_s[i]  # = gamma_C past the chunk's end
+
+                if writes_norms != 0:
+                    for i in T.Parallel(CHUNK):
+                        q_inv[i] = T.cast(1, ACCUM)
+                    if normalize != 0:
+                        T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
+                        T.gemm(q_tile, q_tile, qqt, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(CHUNK, CHUNK):
+                            if i == j:
+                                q_inv[i] = 1 / T.sqrt(qqt[i, j] + 1e-6)
+                    for i in T.Parallel(CHUNK):
+                        q_norm_inv[qk_head, chunk_id, i] = q_inv[i]
+                        k_norm_inv[qk_head, chunk_id, i] = k_inv[i]
 
     return prepare_wu
 

@@ -42,6 +42,7 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
         u: T.Tensor((tokens, num_v_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         seg_info: T.Tensor((num_segs, 3), "int32"),
         seg_state: T.Tensor((num_segs, num_v_heads, head_k, head_v + head_k), ACCUM),
     ):
@@ -51,6 +52,7 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
             u_tile = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
             state_s = T.alloc_shared((head_k, BLOCK_COLS), dtype)
             vn_s = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)
             state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
@@ -79,12 +81,13 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
                 T.copy(w[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
                 T.copy(u[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + BLOCK_COLS], u_tile)
                 T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
+                T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
                 start = seg_start + c * CHUNK
                 length = T.min(seg_end - start, CHUNK)
                 T.copy(state, state_s)
                 gamma_last = gamma_s[length - 1]
                 for i in T.Parallel(CHUNK):
-                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
 
                 T.gemm(w_tile, state_s, vn, clear_accum=True)

@@ -10,7 +10,8 @@ Per chunk (DESIGN section 2, W and U from ``prepare_wu``):
 
 The decay weights are folded into copies of the Q and K tiles (Q_g, K_g) before the
 state-dependent products, so V_new is stored once, unscaled, and feeds both P V_new and
-the state update. Every exponent is <= 0.
+the state update. Every exponent is <= 0. With the fused L2 norm, the inverse row norms of
+q and k (from ``prepare_wu``) are folded into the same row factors and into P.
 
 Rows past the end of a sequence's last chunk hold the next sequence's tokens (or zeros past
 the tensor): V_new and K_g are zeroed there, the causal mask keeps them out of P, and their
@@ -47,6 +48,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
         u: T.Tensor((tokens, num_v_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
@@ -63,6 +66,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             vn_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_scale = T.alloc_shared((CHUNK,), ACCUM)
+            q_inv = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
             state = T.alloc_fragment((head_k, block_v), ACCUM)
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
@@ -95,6 +100,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
                 T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, v0:v0 + block_v], u_tile)
                 T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
+                T.copy(q_norm_inv[qk_head, first_chunk + c, 0:CHUNK], q_inv)
+                T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
@@ -105,13 +112,13 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 # past the chunk's end.
                 # Row factors once per row (fast exp: every argument is <= 0).
                 for i in T.Parallel(CHUNK):
-                    q_scale[i] = T.__exp(gamma_s[i]) * scale
-                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
+                    q_scale[i] = T.__exp(gamma_s[i]) * scale * q_inv[i]
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
                 T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     p_s[i, j] = T.if_then_else(
-                        i >= j, T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * scale, dtype), T.cast(0, dtype)
+                        i >= j, T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * (scale * q_inv[i] * k_inv[j]), dtype), T.cast(0, dtype)
                     )
                 for i, d in T.Parallel(CHUNK, head_k):
                     q_tile[i, d] = T.cast(q_tile[i, d] * q_scale[i], dtype)

@@ -133,12 +133,13 @@ def test_autograd_on_hopper_path_matches_reference():
         assert rel_err(leaves[name].grad, ref[name].grad) <= 2e-2, name
 
 
-@pytest.mark.parametrize("seg_chunks", [1, 3])
-def test_context_parallel_matches_naive(monkeypatch, seg_chunks):
+@pytest.mark.parametrize("seg_chunks,l2norm", [(1, False), (3, True)])
+def test_context_parallel_matches_naive(monkeypatch, seg_chunks, l2norm):
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
     lengths = [1, 0, 64, 300, 5, 63, 129, 0, 1000]
-    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=True)
-    _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"))
+    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=True,
+                     normalize=not l2norm)
+    _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"), use_qk_l2norm_in_kernel=l2norm)
 
 
 def test_context_parallel_on_and_off_agree(monkeypatch):
