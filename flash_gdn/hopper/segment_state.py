@@ -46,7 +46,8 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
         seg_info: T.Tensor((num_segs, 3), "int32"),
         seg_state: T.Tensor((num_segs, num_v_heads, head_k, head_v + head_k), ACCUM),
     ):
-        with T.Kernel(h_blocks + head_k // BLOCK_COLS, num_segs, num_v_heads, threads=threads) as (cb, seg, head):
+        # Segments on grid x (up to 2^31 - 1), not y/z (65535).
+        with T.Kernel(num_segs, h_blocks + head_k // BLOCK_COLS, num_v_heads, threads=threads) as (seg, cb, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
             u_tile = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)

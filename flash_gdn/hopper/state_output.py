@@ -56,7 +56,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
         o: T.Tensor((tokens, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
-        with T.Kernel(T.ceildiv(head_v, block_v), num_seqs, num_v_heads, threads=threads) as (vb, seq, head):
+        # Sequences on grid x (up to 2^31 - 1): many short sequences never hit the 65535 limit of y/z.
+        with T.Kernel(num_seqs, T.ceildiv(head_v, block_v), num_v_heads, threads=threads) as (seq, vb, head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
