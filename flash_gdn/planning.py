@@ -75,12 +75,15 @@ class SegmentPlan(NamedTuple):
     num_segs: ``[N]`` int64, segments per sequence (at least 1, so an empty sequence still
         carries its initial state to its final state).
     max_segs: host bound on ``num_segs`` (from shapes), the length of the initial-state scan.
+    uniform: every sequence has exactly ``max_segs`` segments, sequence n's first being
+        ``n * max_segs`` (B sequences of one length, or a single packed sequence).
     """
 
     seg_info: torch.Tensor
     first_seg: torch.Tensor
     num_segs: torch.Tensor
     max_segs: int
+    uniform: bool
 
 
 def segment_capacity(max_chunks: int, num_seqs: int, seg_chunks: int) -> int:
@@ -114,5 +117,9 @@ def plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, dev
     end = torch.minimum(start + seg_tokens, cu[seq + 1])
     first_chunk = seq_first_chunk[seq] + j * seg_chunks
     seg_info = (torch.stack([start, end, first_chunk], dim=1) * valid[:, None]).to(torch.int32)
-    max_segs = max(1, -(-(max_chunks if varlen else -(-seq_len // CHUNK)) // seg_chunks))
-    return SegmentPlan(seg_info, first_seg, segs_per_seq, max_segs)
+    # Without cu_seqlens every sequence has seq_len tokens; a single packed sequence has all
+    # B * T of them. Then the segment count is known exactly on the host.
+    uniform = not varlen or num_seqs == 1
+    longest = -(-(seq_len if not varlen else batch * seq_len) // CHUNK)
+    max_segs = max(1, -(-(longest if uniform else max_chunks) // seg_chunks))
+    return SegmentPlan(seg_info, first_seg, segs_per_seq, max_segs, uniform)
