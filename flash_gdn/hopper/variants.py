@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import itertools
 
+from .chunk_states import build_chunk_states
 from .kkt_solve import build_kkt_solve
 from .prepare_wu import build_prepare_wu
 from .segment_state import build_segment_state
+from .state_grads import build_state_grads
 from .state_output import build_state_output
 
 DTYPES = ("bfloat16", "float16")
@@ -34,7 +36,17 @@ def kernel_builders(head_dim: int, dtype: str):
     return builders
 
 
+def backward_kernel_builders(head_dim: int, dtype: str):
+    """The backward stages written so far (issue 4; not behind the API yet)."""
+    d = head_dim
+    builders = [(f"chunk_states[{dtype},h0={h0}]", lambda h0=h0: build_chunk_states(d, d, dtype, h0))
+                for h0 in (False, True)]
+    builders += [(f"state_grads[{dtype},dht={dht}]", lambda dht=dht: build_state_grads(d, d, dtype, dht))
+                 for dht in (False, True)]
+    return builders
+
+
 def all_variants():
     for dtype, d in itertools.product(DTYPES, HEAD_DIMS):
-        for name, build in kernel_builders(d, dtype):
+        for name, build in kernel_builders(d, dtype) + backward_kernel_builders(d, dtype):
             yield f"{name}[K=V={d}]", build

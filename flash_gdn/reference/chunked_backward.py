@@ -109,11 +109,14 @@ def _chunk_backward(q, k, v, beta, state, scale, do, ds_next, s):
 
 
 def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-                     use_qk_l2norm_in_kernel=False, chunk=CHUNK):
+                     use_qk_l2norm_in_kernel=False, chunk=CHUNK, intermediates=False):
     """fp64 gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of o (and of the final state, via ``dht``).
 
     Shapes as the public API ([B, T, H, D] inputs, states [N, Hv, K, V]); dh0 is None without
-    an initial state.
+    an initial state. With ``intermediates=True`` also returns a dict of what the Hopper
+    backward stages exchange, chunks numbered sequence by sequence (``planning``'s order):
+    ``h`` [chunks, Hv, K, V] state at each chunk's start, ``dh`` [chunks, Hv, K, V] gradient of
+    the state at each chunk's end, ``v_new`` and ``dv_new`` [B, T, Hv, V], ``dh0_all`` [N, Hv, K, V].
     """
     f64 = torch.float64
     batch, seq_len, hqk, head_k = q.shape
@@ -125,7 +128,8 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
     v, g, beta, do = (t.to(f64) for t in (v, g, beta, do))
     dq, dk = torch.zeros_like(qe), torch.zeros_like(ke)
     dv, dg, dbeta = torch.zeros_like(v), torch.zeros_like(g), torch.zeros_like(beta)
-    dh0 = []
+    v_new_all, dv_new_all = torch.zeros_like(v), torch.zeros_like(v)
+    h_all, dh_all, dh0 = [], [], []
     for n, (b, start, end) in enumerate(sequence_bounds(batch, seq_len, cu_seqlens)):
         state = (torch.zeros(hv, head_k, head_v, dtype=f64, device=q.device) if initial_state is None
                  else initial_state[n].to(f64))
@@ -135,9 +139,13 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
             args = [x[b, c0:c1].transpose(0, 1) for x in (qe, ke, v)] + [g[b, c0:c1].T, beta[b, c0:c1].T]
             _, next_state, saved = _chunk_forward(*args, state, scale)
             pieces.append((c0, c1, args, state, saved))
+            h_all.append(state)
+            v_new_all[b, c0:c1] = saved["v_new"].transpose(0, 1)
             state = next_state
         ds = (torch.zeros(hv, head_k, head_v, dtype=f64, device=q.device) if dht is None else dht[n].to(f64))
+        dh_seq = []
         for c0, c1, (qc, kc, vc, _, bc), s0, saved in reversed(pieces):
+            dh_seq.append(ds)
             grads = _chunk_backward(qc, kc, vc, bc, s0, scale, do[b, c0:c1].transpose(0, 1), ds, saved)
             dqc, dkc, dvc, dgc, dbc, ds = grads
             dq[b, c0:c1] += dqc.transpose(0, 1)
@@ -145,6 +153,9 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
             dv[b, c0:c1] = dvc.transpose(0, 1)
             dg[b, c0:c1] = dgc.T
             dbeta[b, c0:c1] = dbc.T
+            dv_new_all[b, c0:c1] = _dv_new(kc, ds_next=dh_seq[-1], do=do[b, c0:c1].transpose(0, 1), scale=scale,
+                                           saved=saved).transpose(0, 1)
+        dh_all.extend(reversed(dh_seq))
         dh0.append(ds)
 
     group = hv // hqk
@@ -152,7 +163,18 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
     dk = dk.view(batch, seq_len, hqk, group, head_k).sum(3)
     if use_qk_l2norm_in_kernel:
         dq, dk = _l2_norm_backward(q_in, dq), _l2_norm_backward(k_in, dk)
-    return dq, dk, dv, dg, dbeta, (torch.stack(dh0) if initial_state is not None else None)
+    grads = (dq, dk, dv, dg, dbeta, (torch.stack(dh0) if initial_state is not None else None))
+    if not intermediates:
+        return grads
+    empty = torch.zeros(0, hv, head_k, head_v, dtype=f64, device=q.device)
+    extra = dict(h=torch.stack(h_all) if h_all else empty, dh=torch.stack(dh_all) if dh_all else empty,
+                 v_new=v_new_all, dv_new=dv_new_all, dh0_all=torch.stack(dh0))
+    return grads, extra
+
+
+def _dv_new(k, ds_next, do, scale, saved):
+    """dV_new = scale M^T dO + E K dS' (the state-gradient stage's per-token output)."""
+    return scale * saved["m"].transpose(1, 2) @ do + saved["e"][:, :, None] * (k @ ds_next)
 
 
 def _l2_norm_backward(x, dy, eps=1e-6):

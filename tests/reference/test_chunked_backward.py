@@ -54,3 +54,15 @@ def test_chunked_backward_matches_autograd(case):
     got = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, initial_state=dh0)
     for name, leaf in leaves.items():
         assert rel_err(got[name], leaf.grad) <= 1e-9, name
+
+
+def test_intermediates_are_consistent():
+    inputs, cu, n = _make(lengths=[3, 0, 17, 9], chunk=8, h0=True)
+    do = torch.randn_like(inputs["v"])
+    dht = torch.randn_like(inputs["initial_state"])
+    grads, extra = chunked_backward(**inputs, do=do, dht=dht, cu_seqlens=cu, chunk=8, intermediates=True)
+    assert extra["h"].shape[0] == extra["dh"].shape[0] == 1 + 3 + 2  # chunks of 3, 17, 9 tokens
+    torch.testing.assert_close(extra["h"][0], inputs["initial_state"][0])  # first chunk starts at h0
+    torch.testing.assert_close(extra["dh"][0], dht[0])  # one-chunk sequence: dS' = dht
+    torch.testing.assert_close(extra["dh0_all"], grads[5])
+    torch.testing.assert_close(extra["dh0_all"][1], dht[1])  # empty sequence passes dht through

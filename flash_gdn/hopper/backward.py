@@ -1,0 +1,65 @@
+"""Hopper backward launcher (issue 4, in progress): the two sequential stages so far.
+
+``backward_stages`` runs prepare_wu (W, U, gamma, inverse norms), ``chunk_states`` (every
+chunk's start state h and V_new) and ``state_grads`` (every chunk's end-state gradient dh,
+dV_new and dh0). The chunk-parallel stage that turns these into dq, dk, dv, dg, dbeta is
+next; until then the API's backward is the portable one. No host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..planning import plan_for
+from ..validation import Problem
+from .chunk_states import build_chunk_states
+from .prepare_wu import build_prepare_wu
+from .state_grads import build_state_grads
+from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
+
+
+def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens):
+    """Intermediates of the backward as a dict of device tensors (shapes in
+    ``reference.chunked_backward.chunked_backward(intermediates=True)``; states in the
+    ``[.., K, V]`` layout)."""
+    batch, seq_len = problem.batch, problem.seq_len
+    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    tokens, dtype, dev = batch * seq_len, q.dtype, q.device
+    tl_dtype = TL_DTYPE[dtype]
+    gate_dtype = kernel_gate_dtype(g, beta, dtype)
+    qf = q.reshape(tokens, hqk, dk).contiguous()
+    kf = k.reshape(tokens, hqk, dk).contiguous()
+    vf = v.reshape(tokens, hv, dv).contiguous()
+    dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
+    gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
+    bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
+
+    plan = plan_for(batch, seq_len, cu_seqlens, dev)
+    num_chunks = plan.chunk_bounds.shape[0]
+    w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
+    u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    gamma = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    q_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    k_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    build_prepare_wu(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(
+        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv
+    )
+
+    h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+    v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    dh0 = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
+    build_chunk_states(dk, dv, tl_dtype, h0 is not None)(
+        kf, w, u, gamma, k_norm_inv, plan.seq_info, dh0 if h0 is None else h0, h, v_new
+    )
+
+    dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+    dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    dht32 = None if dht is None else dht.to(torch.float32).contiguous()
+    build_state_grads(dk, dv, tl_dtype, dht32 is not None)(
+        qf, kf, w, dof, gamma, q_norm_inv, k_norm_inv, plan.seq_info, dh0 if dht32 is None else dht32,
+        problem.scale, dh, dv_new, dh0,
+    )
+    return dict(h=h, v_new=v_new.view(batch, seq_len, hv, dv), dh=dh, dv_new=dv_new.view(batch, seq_len, hv, dv),
+                dh0_all=dh0, chunk_bounds=plan.chunk_bounds)

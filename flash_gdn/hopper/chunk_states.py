@@ -1,0 +1,105 @@
+"""Backward stage 1 (sequential over chunks): recompute every chunk's start state and V_new.
+
+Not wired into the API yet (issue 4 in progress; GPU tests in tests/hopper/test_gpu_backward_stages.py).
+One CTA per (sequence, value head), state in fp32 registers, the forward's recurrence
+(DESIGN section 2) without the output:
+
+    h[chunk] = S                        (input dtype; the backward's chunk-parallel stage reads it)
+    V_new    = U - W S                  (input dtype, rows of the sequence only)
+    S        = e^gamma_C S + K_g^T V_new
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import ACCUM, CHUNK
+
+
+@functools.lru_cache(maxsize=None)
+def build_chunk_states(head_k: int, head_v: int, dtype: str, has_initial: bool, num_stages: int = 2):
+    return _chunk_states_kernel(head_k, head_v, dtype, has_initial, num_stages)
+
+
+@tilelang.jit
+def _chunk_states_kernel(head_k, head_v, dtype, has_initial, num_stages):
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunks = T.dynamic("num_chunks")
+    threads = 128 * (head_v // 64)
+
+    @T.prim_func
+    def chunk_states(
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        seq_info: T.Tensor((num_seqs, 3), "int32"),
+        initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        h: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
+        v_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
+    ):
+        with T.Kernel(num_seqs, num_v_heads, threads=threads) as (seq, head):
+            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            w_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            u_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            state_s = T.alloc_shared((head_k, head_v), dtype)
+            vn_s = T.alloc_shared((CHUNK, head_v), dtype)
+            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
+            k_scale = T.alloc_shared((CHUNK,), ACCUM)
+            state = T.alloc_fragment((head_k, head_v), ACCUM)
+            vn = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            seq_start = T.alloc_var("int32")
+            seq_end = T.alloc_var("int32")
+            first_chunk = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+            gamma_last = T.alloc_var(ACCUM)
+            decay = T.alloc_var(ACCUM)
+            qk_head = T.alloc_var("int32")
+
+            qk_head = head // (num_v_heads // num_qk_heads)
+            seq_start = seq_info[seq, 0]
+            seq_end = seq_info[seq, 1]
+            first_chunk = seq_info[seq, 2]
+            if has_initial:
+                for i, j in T.Parallel(head_k, head_v):
+                    state[i, j] = initial_state[seq, head, i, j]
+            else:
+                T.clear(state)
+
+            for c in T.Pipelined(T.ceildiv(seq_end - seq_start, CHUNK), num_stages=num_stages):
+                T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
+                T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_v], u_tile)
+                T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
+                T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
+                start = seq_start + c * CHUNK
+                length = T.min(seq_end - start, CHUNK)
+                T.copy(state, state_s)
+                T.copy(state_s, h[first_chunk + c, head, 0:head_k, 0:head_v])
+                gamma_last = gamma_s[length - 1]
+                for i in T.Parallel(CHUNK):
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+                decay = T.__exp(gamma_last)
+
+                T.gemm(w_tile, state_s, vn, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, head_v):
+                    vn_s[i, j] = T.if_then_else(
+                        i < length, T.cast(T.cast(u_tile[i, j], ACCUM) - vn[i, j], dtype), T.cast(0, dtype)
+                    )
+                for i, j in T.Parallel(CHUNK, head_v):
+                    if i < length:
+                        v_new[start + i, head, j] = vn_s[i, j]
+                for i, d in T.Parallel(CHUNK, head_k):
+                    k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
+                for i, j in T.Parallel(head_k, head_v):
+                    state[i, j] = state[i, j] * decay
+                T.gemm(k_tile, vn_s, state, transpose_A=True)
+
+    return chunk_states

@@ -1,0 +1,58 @@
+"""GPU: the Hopper backward's sequential stages (chunk_states, state_grads) against the fp64
+chunked backward's intermediates. Issue 4 in progress: these kernels are not yet behind the API."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_gdn.hopper.backward import backward_stages
+from flash_gdn.reference.chunked_backward import chunked_backward
+from flash_gdn.validation import check_inputs
+from tests.gpu_helpers import poisoned
+from tests.helpers import random_cu_seqlens, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero_decay_heads=1):
+    dev = "cuda"
+    t, n = sum(lengths), len(lengths)
+    q = torch.randn(1, t, hqk, d, device=dev)
+    k = torch.randn(1, t, hqk, d, device=dev)
+    if not l2:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(1, t, hv, d, device=dev)
+    g = -(gate[0] + (gate[1] - gate[0]) * torch.rand(1, t, hv, device=dev))
+    g[..., :zero_decay_heads] = 0.0
+    beta = torch.rand(1, t, hv, device=dev)
+    do = torch.randn(1, t, hv, d, device=dev)
+    q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
+    init = torch.randn(n, hv, d, d, device=dev) if h0 else None
+    dfinal = torch.randn(n, hv, d, d, device=dev) if dht else None
+    cu = random_cu_seqlens(lengths, device=dev, dtype=torch.int32)
+    problem = check_inputs(q, k, v, g, beta, None, init, cu, False)
+    with poisoned():
+        got = backward_stages(q, k, v, g, beta, do, dfinal, problem, init, l2, cu)
+    _, ref = chunked_backward(q, k, v, g, beta, do, dht=dfinal, initial_state=init, cu_seqlens=cu.cpu(),
+                              use_qk_l2norm_in_kernel=l2, intermediates=True)
+    real = ref["h"].shape[0]
+    return got, ref, real
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_chunk_states_and_state_grads_match_reference(l2):
+    got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, l2=l2)
+    for name in ("v_new", "dv_new", "dh0_all"):
+        assert torch.isfinite(got[name]).all(), name
+        assert rel_err(got[name], ref[name]) <= TOL, (name, rel_err(got[name], ref[name]))
+    for name in ("h", "dh"):
+        assert torch.isfinite(got[name][:real]).all(), name
+        assert rel_err(got[name][:real], ref[name]) <= TOL, (name, rel_err(got[name][:real], ref[name]))
+
+
+def test_backward_stages_without_initial_state_or_dht_d64():
+    got, ref, real = _run([200, 65], 1, 2, 64, h0=False, dht=False)
+    assert rel_err(got["dh"][:real], ref["dh"]) <= TOL
+    assert rel_err(got["dh0_all"], ref["dh0_all"]) <= TOL
