@@ -69,43 +69,60 @@ def _chunk_forward(q, k, v, g, beta, state, scale):
 
 
 def _chunk_backward(q, k, v, beta, state, scale, do, ds_next, s):
-    """Gradients of one chunk (formulas of the module docstring)."""
+    """Gradients of one chunk (formulas of the module docstring): the state-gradient step,
+    then the two chunk-parallel halves the Hopper kernels split into."""
+    gamma, e = s["gamma"], s["e"]
+    dv_new = scale * s["m"].transpose(1, 2) @ do + e[:, :, None] * (k @ ds_next)
+    ds = (torch.exp(gamma[:, -1])[:, None, None] * ds_next
+          + scale * (torch.exp(gamma)[:, :, None] * q).transpose(1, 2) @ do - s["w"].transpose(1, 2) @ dv_new)
+    dv, dk_wy, dbeta, dgamma_wy = chunk_grads_wy(k, v, beta, state, dv_new, s)
+    dq, dk_qk, dgamma_qk = chunk_grads_qk(q, k, do, state, ds_next, scale, s)
+    dgamma = dgamma_wy + dgamma_qk
+    dg = torch.flip(torch.cumsum(torch.flip(dgamma, [1]), 1), [1])
+    return dq, dk_wy + dk_qk, dv, dg, dbeta, ds
+
+
+def chunk_grads_wy(k, v, beta, state, dv_new, s):
+    """Kernel-stage half (a): everything that flows through U = A_u V and W = A_w K.
+
+    Reads k, v, beta, gamma (A_r, A_u, A_w recomputed), h = S and dV_new. Returns dv, the dk
+    terms A_w^T dW + (dKK + dKK^T) K, dbeta, and the dgamma terms of A_u and A_w.
+    """
+    gam, a_r, dgain = s["gam"], s["a_r"], torch.exp(s["gamma"])
+    dw = -dv_new @ state.transpose(1, 2)
+    dv = s["a_u"].transpose(1, 2) @ dv_new
+    da_u = torch.where(s["lower_incl"], dv_new @ v.transpose(1, 2), 0.0)
+    da_w = torch.where(s["lower_incl"], dw @ k.transpose(1, 2), 0.0)
+    da_r = gam * beta[:, None, :] * da_u + dgain[:, :, None] * beta[:, None, :] * da_w
+    dl = torch.where(s["strict"], -(a_r.transpose(1, 2) @ da_r @ a_r.transpose(1, 2)), 0.0)
+    dkk = beta[:, :, None] * dl
+    dk = s["a_w"].transpose(1, 2) @ dw + (dkk + dkk.transpose(1, 2)) @ k
+    # beta enters L (rows), A_u and A_w (columns).
+    dbeta = (dl * s["kk"]).sum(2) + (da_u * gam * a_r).sum(1) + (da_w * dgain[:, :, None] * a_r).sum(1)
+    r_u, r_w = da_u * s["a_u"], da_w * s["a_w"]
+    dgamma = r_u.sum(2) - r_u.sum(1) + r_w.sum(2)
+    return dv, dk, dbeta, dgamma
+
+
+def chunk_grads_qk(q, k, do, state, ds_next, scale, s):
+    """Kernel-stage half (b): everything that flows through O and the state update's K.
+
+    Reads q, k, dO, gamma, h = S, dh = dS' and V_new. Returns dq, the dk terms
+    dQK^T Q + E V_new dS'^T, and the remaining dgamma terms (incl. gamma_C's).
+    """
     gamma, gam, e = s["gamma"], s["gam"], s["e"]
     dgain = torch.exp(gamma)
     gamma_c = gamma[:, -1]
-    k_ds = k @ ds_next                                               # [H, c, V]
-    dv_new = scale * s["m"].transpose(1, 2) @ do + e[:, :, None] * k_ds
-    ds = (torch.exp(gamma_c)[:, None, None] * ds_next + scale * (dgain[:, :, None] * q).transpose(1, 2) @ do
-          - s["w"].transpose(1, 2) @ dv_new)
-
     dm = torch.where(s["lower_incl"], scale * do @ s["v_new"].transpose(1, 2), 0.0)
     dqk = gam * dm
     dq = scale * dgain[:, :, None] * (do @ state.transpose(1, 2)) + dqk @ k
     dk = dqk.transpose(1, 2) @ q + e[:, :, None] * (s["v_new"] @ ds_next.transpose(1, 2))
-
-    dw = -dv_new @ state.transpose(1, 2)
-    dv = s["a_u"].transpose(1, 2) @ dv_new
-    dk = dk + s["a_w"].transpose(1, 2) @ dw
-    da_u = dv_new @ v.transpose(1, 2)
-    da_w = torch.where(s["lower_incl"], dw @ k.transpose(1, 2), 0.0)
-    da_u = torch.where(s["lower_incl"], da_u, 0.0)
-    a_r = s["a_r"]
-    da_r = gam * beta[:, None, :] * da_u + dgain[:, :, None] * beta[:, None, :] * da_w
-    dl = torch.where(s["strict"], -(a_r.transpose(1, 2) @ da_r @ a_r.transpose(1, 2)), 0.0)
-    dkk = beta[:, :, None] * dl
-    dk = dk + (dkk + dkk.transpose(1, 2)) @ k
-    # beta enters L (rows), A_u and A_w (columns).
-    dbeta = (dl * s["kk"]).sum(2) + (da_u * gam * a_r).sum(1) + (da_w * dgain[:, :, None] * a_r).sum(1)
-
-    r_m, r_u, r_w = dm * s["m"], da_u * s["a_u"], da_w * s["a_w"]
-    dgamma = r_m.sum(2) - r_m.sum(1) + r_u.sum(2) - r_u.sum(1) + r_w.sum(2)
-    dgamma = dgamma + scale * dgain * (s["qs"] * do).sum(2)
-    de = (k_ds * s["v_new"]).sum(2) * e                               # d/dgamma_C of E; minus for gamma_i
+    r_m = dm * s["m"]
+    dgamma = r_m.sum(2) - r_m.sum(1) + scale * dgain * (s["qs"] * do).sum(2)
+    de = ((k @ ds_next) * s["v_new"]).sum(2) * e                      # d/dgamma_C of E; minus for gamma_i
     dgamma = dgamma - de
-    dgamma_c = torch.exp(gamma_c) * (state * ds_next).sum((1, 2)) + de.sum(1)
-    dgamma[:, -1] += dgamma_c
-    dg = torch.flip(torch.cumsum(torch.flip(dgamma, [1]), 1), [1])
-    return dq, dk, dv, dg, dbeta, ds
+    dgamma[:, -1] += torch.exp(gamma_c) * (state * ds_next).sum((1, 2)) + de.sum(1)
+    return dq, dk, dgamma
 
 
 def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
