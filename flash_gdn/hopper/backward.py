@@ -1,9 +1,10 @@
-"""Hopper backward launcher (issue 4, in progress): the two sequential stages so far.
+"""Hopper backward launcher (issue 4, in progress): the stages written so far.
 
 ``backward_stages`` runs prepare_wu (W, U, gamma, inverse norms), ``chunk_states`` (every
-chunk's start state h and V_new) and ``state_grads`` (every chunk's end-state gradient dh,
-dV_new and dh0). The chunk-parallel stage that turns these into dq, dk, dv, dg, dbeta is
-next; until then the API's backward is the portable one. No host synchronisation.
+chunk's start state h and V_new), ``state_grads`` (every chunk's end-state gradient dh,
+dV_new and dh0) and ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms). Half (b)
+(dq, the rest of dk and dgamma, dg) is next; until then the API's backward is the portable
+one. No host synchronisation.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .chunk_states import build_chunk_states
 from .prepare_wu import build_prepare_wu
 from .state_grads import build_state_grads
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
+from .wy_grads import build_wy_grads
 
 
 def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens):
@@ -61,5 +63,15 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         qf, kf, w, dof, gamma, q_norm_inv, k_norm_inv, plan.seq_info, dh0 if dht32 is None else dht32,
         problem.scale, dh, dv_new, dh0,
     )
+
+    dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    dk_wy = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
+    dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
+    dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(
+        kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy
+    )
     return dict(h=h, v_new=v_new.view(batch, seq_len, hv, dv), dh=dh, dv_new=dv_new.view(batch, seq_len, hv, dv),
-                dh0_all=dh0, chunk_bounds=plan.chunk_bounds)
+                dh0_all=dh0, chunk_bounds=plan.chunk_bounds, dv=dv_out.view(batch, seq_len, hv, dv),
+                dk_wy=dk_wy.view(batch, seq_len, hv, dk), dbeta=dbeta.view(batch, seq_len, hv),
+                dgamma_wy_chunks=dgamma_wy)

@@ -13,6 +13,7 @@ from .kkt_solve import build_kkt_solve
 from .prepare_wu import build_prepare_wu
 from .segment_state import build_segment_state
 from .state_grads import build_state_grads
+from .wy_grads import build_wy_grads
 from .state_output import build_state_output
 
 DTYPES = ("bfloat16", "float16")
@@ -43,6 +44,8 @@ def backward_kernel_builders(head_dim: int, dtype: str):
                 for h0 in (False, True)]
     builders += [(f"state_grads[{dtype},dht={dht}]", lambda dht=dht: build_state_grads(d, d, dtype, dht))
                  for dht in (False, True)]
+    builders += [(f"wy_grads[{dtype},{gd}]", lambda gd=gd: build_wy_grads(d, d, dtype, gd))
+                 for gd in sorted({"float32", dtype})]
     return builders
 
 

@@ -79,7 +79,7 @@ def _chunk_backward(q, k, v, beta, state, scale, do, ds_next, s):
     dq, dk_qk, dgamma_qk = chunk_grads_qk(q, k, do, state, ds_next, scale, s)
     dgamma = dgamma_wy + dgamma_qk
     dg = torch.flip(torch.cumsum(torch.flip(dgamma, [1]), 1), [1])
-    return dq, dk_wy + dk_qk, dv, dg, dbeta, ds
+    return dq, dk_wy + dk_qk, dv, dg, dbeta, ds, dict(dk_wy=dk_wy, dgamma_wy=dgamma_wy)
 
 
 def chunk_grads_wy(k, v, beta, state, dv_new, s):
@@ -133,7 +133,9 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
     an initial state. With ``intermediates=True`` also returns a dict of what the Hopper
     backward stages exchange, chunks numbered sequence by sequence (``planning``'s order):
     ``h`` [chunks, Hv, K, V] state at each chunk's start, ``dh`` [chunks, Hv, K, V] gradient of
-    the state at each chunk's end, ``v_new`` and ``dv_new`` [B, T, Hv, V], ``dh0_all`` [N, Hv, K, V].
+    the state at each chunk's end, ``v_new`` and ``dv_new`` [B, T, Hv, V], ``dh0_all`` [N, Hv, K, V],
+    and half (a)'s partial terms ``dk_wy`` [B, T, Hv, K] (per value head, normalised keys) and
+    ``dgamma_wy`` [B, T, Hv].
     """
     f64 = torch.float64
     batch, seq_len, hqk, head_k = q.shape
@@ -146,6 +148,7 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
     dq, dk = torch.zeros_like(qe), torch.zeros_like(ke)
     dv, dg, dbeta = torch.zeros_like(v), torch.zeros_like(g), torch.zeros_like(beta)
     v_new_all, dv_new_all = torch.zeros_like(v), torch.zeros_like(v)
+    dk_wy_all, dgamma_wy_all = torch.zeros_like(expand_qk_heads(kn, hv)), torch.zeros_like(g)
     h_all, dh_all, dh0 = [], [], []
     for n, (b, start, end) in enumerate(sequence_bounds(batch, seq_len, cu_seqlens)):
         state = (torch.zeros(hv, head_k, head_v, dtype=f64, device=q.device) if initial_state is None
@@ -164,7 +167,9 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
         for c0, c1, (qc, kc, vc, _, bc), s0, saved in reversed(pieces):
             dh_seq.append(ds)
             grads = _chunk_backward(qc, kc, vc, bc, s0, scale, do[b, c0:c1].transpose(0, 1), ds, saved)
-            dqc, dkc, dvc, dgc, dbc, ds = grads
+            dqc, dkc, dvc, dgc, dbc, ds, parts = grads
+            dk_wy_all[b, c0:c1] = parts["dk_wy"].transpose(0, 1)
+            dgamma_wy_all[b, c0:c1] = parts["dgamma_wy"].T
             dq[b, c0:c1] += dqc.transpose(0, 1)
             dk[b, c0:c1] += dkc.transpose(0, 1)
             dv[b, c0:c1] = dvc.transpose(0, 1)
@@ -185,7 +190,8 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
         return grads
     empty = torch.zeros(0, hv, head_k, head_v, dtype=f64, device=q.device)
     extra = dict(h=torch.stack(h_all) if h_all else empty, dh=torch.stack(dh_all) if dh_all else empty,
-                 v_new=v_new_all, dv_new=dv_new_all, dh0_all=torch.stack(dh0))
+                 v_new=v_new_all, dv_new=dv_new_all, dh0_all=torch.stack(dh0), dk_wy=dk_wy_all,
+                 dgamma_wy=dgamma_wy_all)
     return grads, extra
 
 

@@ -1,5 +1,6 @@
-"""GPU: the Hopper backward's sequential stages (chunk_states, state_grads) against the fp64
-chunked backward's intermediates. Issue 4 in progress: these kernels are not yet behind the API."""
+"""GPU: the Hopper backward's stages written so far (chunk_states, state_grads, wy_grads)
+against the fp64 chunked backward's intermediates. Issue 4 in progress: these kernels are
+not yet behind the API."""
 
 import pytest
 import torch
@@ -35,8 +36,16 @@ def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero
     problem = check_inputs(q, k, v, g, beta, None, init, cu, False)
     with poisoned():
         got = backward_stages(q, k, v, g, beta, do, dfinal, problem, init, l2, cu)
-    _, ref = chunked_backward(q, k, v, g, beta, do, dht=dfinal, initial_state=init, cu_seqlens=cu.cpu(),
-                              use_qk_l2norm_in_kernel=l2, intermediates=True)
+    grads, ref = chunked_backward(q, k, v, g, beta, do, dht=dfinal, initial_state=init, cu_seqlens=cu.cpu(),
+                                  use_qk_l2norm_in_kernel=l2, intermediates=True)
+    ref.update(dv=grads[2], dbeta=grads[4])
+    # The kernel keeps dgamma_wy per (head, chunk, row): back to tokens.
+    bounds = got["chunk_bounds"].cpu().tolist()
+    dgamma_wy = torch.zeros(1, t, hv, device=dev)
+    for c, (s, e) in enumerate(bounds):
+        if e > s:
+            dgamma_wy[0, s:e] = got["dgamma_wy_chunks"][:, c, :e - s].T
+    got["dgamma_wy"] = dgamma_wy
     real = ref["h"].shape[0]
     return got, ref, real
 
@@ -44,7 +53,7 @@ def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero
 @pytest.mark.parametrize("l2", [False, True])
 def test_chunk_states_and_state_grads_match_reference(l2):
     got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, l2=l2)
-    for name in ("v_new", "dv_new", "dh0_all"):
+    for name in ("v_new", "dv_new", "dh0_all", "dv", "dbeta", "dk_wy", "dgamma_wy"):
         assert torch.isfinite(got[name]).all(), name
         assert rel_err(got[name], ref[name]) <= TOL, (name, rel_err(got[name], ref[name]))
     for name in ("h", "dh"):

@@ -1,0 +1,186 @@
+"""Backward stage 3a (chunk-parallel): the gradients that flow through U = A_u V and W = A_w K.
+
+Not wired into the API yet (issue 4 in progress); the spec is
+``reference.chunked_backward.chunk_grads_wy``. One CTA per (chunk, value head), from k, v,
+beta, gamma, the state at the chunk's start h and dV_new (stages 1 and 2):
+
+    dW = -dV_new S^T,  dV = A_u^T dV_new,  dA_u = dV_new V^T,  dA_w = dW K^T  (lower incl. diag)
+    dA_r = Gamma beta_j dA_u + e^gamma_i beta_j dA_w,   dL = -(A_r^T dA_r A_r^T)  (strictly lower)
+    dK_wy = A_w^T dW + (dKK + dKK^T) K,  dKK = beta_i dL
+    dbeta_j = sum_i dL_ji (K K^T)_ji + sum_i (Gamma dA_u + e^gamma_i dA_w)_ij A_r_ij
+    dgamma_wy = row sums of (dA_u A_u + dA_w A_w) - column sums of (dA_u A_u)
+
+A_r, A_u, A_w are recomputed as in ``prepare_wu`` (keys normalised by ``k_norm_inv``);
+dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
+group sum follow outside). Rows past the chunk's end: beta = 0 and dV_new = 0 there.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import ACCUM, BLOCK, CHUNK, HALF, blocked_unit_lower_inverse
+
+
+@functools.lru_cache(maxsize=None)
+def build_wy_grads(head_k: int, head_v: int, dtype: str, gate_dtype: str):
+    return _wy_grads_kernel(head_k, head_v, dtype, gate_dtype)
+
+
+@tilelang.jit
+def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def wy_grads(
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        beta: T.Tensor((tokens, num_v_heads), gate_dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        bounds: T.Tensor((num_chunks, 2), "int32"),
+        h: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
+        dv_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        dv: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        dk_wy: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
+        dbeta: T.Tensor((tokens, num_v_heads), ACCUM),
+        dgamma_wy: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+    ):
+        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            v_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            dvn_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            h_tile = T.alloc_shared((head_k, head_v), dtype)
+            beta_s = T.alloc_shared((CHUNK,), ACCUM)
+            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
+            kk_s = T.alloc_shared((CHUNK, CHUNK), ACCUM)
+            lower = T.alloc_shared((CHUNK, CHUNK), ACCUM)
+            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            off32 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            scratch = T.alloc_shared((CHUNK, CHUNK), HALF)
+            ar_h = T.alloc_shared((CHUNK, CHUNK), HALF)
+            au_s = T.alloc_shared((CHUNK, CHUNK), dtype)
+            aw_s = T.alloc_shared((CHUNK, CHUNK), dtype)
+            dw_s = T.alloc_shared((CHUNK, head_k), dtype)
+            dar_h = T.alloc_shared((CHUNK, CHUNK), HALF)
+            t_h = T.alloc_shared((CHUNK, CHUNK), HALF)
+            dkk_h = T.alloc_shared((CHUNK, CHUNK), HALF)
+            sym_s = T.alloc_shared((CHUNK, CHUNK), dtype)
+            rows_s = T.alloc_shared((CHUNK,), ACCUM)
+            cols_s = T.alloc_shared((CHUNK,), ACCUM)
+            xcol_s = T.alloc_shared((CHUNK,), ACCUM)
+            lrow_s = T.alloc_shared((CHUNK,), ACCUM)
+            column = T.alloc_local((BLOCK,), ACCUM)
+            kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            dau = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            daw = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            tmp = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            red_x = T.alloc_fragment((CHUNK,), ACCUM)
+            red_c = T.alloc_fragment((CHUNK,), ACCUM)
+            red_r = T.alloc_fragment((CHUNK,), ACCUM)
+            red_l = T.alloc_fragment((CHUNK,), ACCUM)
+            dv_acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            dw_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            qk_head = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+
+            qk_head = head // (num_v_heads // num_qk_heads)
+            start = bounds[chunk_id, 0]
+            length = bounds[chunk_id, 1] - start
+            if length > 0:
+                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile)
+                T.copy(v[start:start + CHUNK, head, 0:head_v], v_tile)
+                T.copy(dv_new[start:start + CHUNK, head, 0:head_v], dvn_tile)
+                T.copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile)
+                T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
+                T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
+                for i in T.Parallel(CHUNK):
+                    beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
+                for i, d in T.Parallel(CHUNK, head_k):
+                    k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
+                for i, j in T.Parallel(CHUNK, head_v):
+                    dvn_tile[i, j] = T.if_then_else(i < length, dvn_tile[i, j], T.cast(0, dtype))
+
+                # A_r, A_u, A_w as in the forward.
+                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    kk_s[i, j] = kkt[i, j]
+                    lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, ACCUM))
+                blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    ar_h[i, j] = T.cast(inv[i, j], HALF)
+                    au_s[i, j] = T.if_then_else(
+                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], dtype), T.cast(0, dtype)
+                    )
+                    aw_s[i, j] = T.if_then_else(
+                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j], dtype), T.cast(0, dtype)
+                    )
+
+                # dV = A_u^T dV_new;  dW = -dV_new S^T.
+                T.gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, head_v):
+                    if i < length:
+                        dv[start + i, head, j] = T.cast(dv_acc[i, j], dtype)
+                T.gemm(dvn_tile, h_tile, dw_acc, transpose_B=True, clear_accum=True)
+                for i, d in T.Parallel(CHUNK, head_k):
+                    dw_s[i, d] = T.cast(-dw_acc[i, d], dtype)
+
+                # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal).
+                T.gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
+                T.gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    dau[i, j] = T.if_then_else(i >= j, dau[i, j], T.cast(0, ACCUM))
+                    daw[i, j] = T.if_then_else(i >= j, daw[i, j], T.cast(0, ACCUM))
+                # dA_r, and the beta column terms X_ij = (Gamma dA_u + e^gamma_i dA_w) A_r.
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    dar_h[i, j] = T.cast(
+                        T.if_then_else(i >= j, T.__exp(gamma_s[i] - gamma_s[j]), T.cast(0, ACCUM)) * beta_s[j] * dau[i, j]
+                        + T.__exp(gamma_s[i]) * beta_s[j] * daw[i, j], HALF)
+                    tmp[i, j] = (T.if_then_else(i >= j, T.__exp(gamma_s[i] - gamma_s[j]), T.cast(0, ACCUM)) * dau[i, j]
+                                 + T.__exp(gamma_s[i]) * daw[i, j]) * T.cast(ar_h[i, j], ACCUM)
+                T.reduce_sum(tmp, red_x, dim=0)
+                T.copy(red_x, xcol_s)
+                # dgamma terms: R_u = dA_u * A_u, R_w = dA_w * A_w.
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    dau[i, j] = dau[i, j] * T.cast(au_s[i, j], ACCUM)
+                    daw[i, j] = daw[i, j] * T.cast(aw_s[i, j], ACCUM) + dau[i, j]
+                T.reduce_sum(dau, red_c, dim=0)
+                T.copy(red_c, cols_s)
+                T.reduce_sum(daw, red_r, dim=1)
+                T.copy(red_r, rows_s)
+
+                # dL = -(A_r^T dA_r A_r^T), strictly lower.
+                T.gemm(ar_h, dar_h, tmp, transpose_A=True, clear_accum=True)
+                T.copy(tmp, t_h)
+                T.gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    tmp[i, j] = T.if_then_else(i > j, -tmp[i, j], T.cast(0, ACCUM))
+                    dkk_h[i, j] = T.cast(beta_s[i] * tmp[i, j], HALF)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    tmp[i, j] = tmp[i, j] * kk_s[i, j]
+                T.reduce_sum(tmp, red_l, dim=1)
+                T.copy(red_l, lrow_s)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    sym_s[i, j] = T.cast(T.cast(dkk_h[i, j], ACCUM) + T.cast(dkk_h[j, i], ACCUM), dtype)
+
+                # dK_wy = A_w^T dW + (dKK + dKK^T) K.
+                T.gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
+                T.gemm(sym_s, k_tile, dw_acc)
+                for i, d in T.Parallel(CHUNK, head_k):
+                    if i < length:
+                        dk_wy[start + i, head, d] = dw_acc[i, d]
+                for i in T.Parallel(CHUNK):
+                    if i < length:
+                        dbeta[start + i, head] = lrow_s[i] + xcol_s[i]
+                    dgamma_wy[head, chunk_id, i] = rows_s[i] - cols_s[i]
+
+    return wy_grads
