@@ -2,9 +2,10 @@
 
 ``backward_stages`` runs prepare_wu (W, U, gamma, inverse norms), ``chunk_states`` (every
 chunk's start state h and V_new), ``state_grads`` (every chunk's end-state gradient dh,
-dV_new and dh0) and ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms). Half (b)
-(dq, the rest of dk and dgamma, dg) is next; until then the API's backward is the portable
-one. No host synchronisation.
+dV_new and dh0), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
+``qk_grads`` (dq, dk, dg). ``hopper_backward`` adds the group sum of dq/dk and the L2 norm's
+backward (torch, for now). Written and compiled, not yet validated on a GPU, so the API's
+backward is still the portable one. No host synchronisation.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..planning import plan_for
+from ..reference.chunked_backward import l2_norm_backward
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .prepare_wu import build_prepare_wu
+from .qk_grads import build_qk_grads
 from .state_grads import build_state_grads
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 from .wy_grads import build_wy_grads
@@ -71,7 +74,40 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(
         kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy
     )
+
+    dq_v = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
+    dk_v = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
+    dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
+    build_qk_grads(dk, dv, tl_dtype)(
+        qf, kf, dof, v_new, h, dh, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, dk_wy, dgamma_wy,
+        problem.scale, dq_v, dk_v, dg,
+    )
     return dict(h=h, v_new=v_new.view(batch, seq_len, hv, dv), dh=dh, dv_new=dv_new.view(batch, seq_len, hv, dv),
                 dh0_all=dh0, chunk_bounds=plan.chunk_bounds, dv=dv_out.view(batch, seq_len, hv, dv),
                 dk_wy=dk_wy.view(batch, seq_len, hv, dk), dbeta=dbeta.view(batch, seq_len, hv),
-                dgamma_wy_chunks=dgamma_wy)
+                dgamma_wy_chunks=dgamma_wy, dq_v=dq_v.view(batch, seq_len, hv, dk),
+                dk_v=dk_v.view(batch, seq_len, hv, dk), dg=dg.view(batch, seq_len, hv))
+
+
+def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first):
+    """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; states in the caller's layout."""
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+    if dht is not None and state_v_first:
+        dht = dht.transpose(-1, -2)
+    out = backward_stages(q, k, v, g, beta, do, dht, problem, h0, use_l2, cu_seqlens)
+    batch, seq_len, hqk, hv = problem.batch, problem.seq_len, problem.num_qk_heads, problem.num_v_heads
+    group = hv // hqk
+    # Grouped values: value head i reads qk head i // group, so dq and dk sum over the group.
+    dq = out["dq_v"].view(batch, seq_len, hqk, group, -1).sum(3)
+    dk = out["dk_v"].view(batch, seq_len, hqk, group, -1).sum(3)
+    if use_l2:
+        dq, dk = l2_norm_backward(q.float(), dq), l2_norm_backward(k.float(), dk)
+    dh0 = None
+    if initial_state is not None:
+        dh0 = out["dh0_all"].transpose(-1, -2) if state_v_first else out["dh0_all"]
+        dh0 = dh0.to(initial_state.dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), out["dv"].to(v.dtype), out["dg"].to(g.dtype),
+            out["dbeta"].to(beta.dtype), dh0)
+

@@ -11,6 +11,7 @@ import itertools
 from .chunk_states import build_chunk_states
 from .kkt_solve import build_kkt_solve
 from .prepare_wu import build_prepare_wu
+from .qk_grads import build_qk_grads
 from .segment_state import build_segment_state
 from .state_grads import build_state_grads
 from .wy_grads import build_wy_grads
@@ -46,6 +47,7 @@ def backward_kernel_builders(head_dim: int, dtype: str):
                  for dht in (False, True)]
     builders += [(f"wy_grads[{dtype},{gd}]", lambda gd=gd: build_wy_grads(d, d, dtype, gd))
                  for gd in sorted({"float32", dtype})]
+    builders.append((f"qk_grads[{dtype}]", lambda: build_qk_grads(d, d, dtype)))
     return builders
 
 

@@ -184,7 +184,7 @@ def chunked_backward(q, k, v, g, beta, do, dht=None, scale=None, initial_state=N
     dq = dq.view(batch, seq_len, hqk, group, head_k).sum(3)
     dk = dk.view(batch, seq_len, hqk, group, head_k).sum(3)
     if use_qk_l2norm_in_kernel:
-        dq, dk = _l2_norm_backward(q_in, dq), _l2_norm_backward(k_in, dk)
+        dq, dk = l2_norm_backward(q_in, dq), l2_norm_backward(k_in, dk)
     grads = (dq, dk, dv, dg, dbeta, (torch.stack(dh0) if initial_state is not None else None))
     if not intermediates:
         return grads
@@ -200,7 +200,7 @@ def _dv_new(k, ds_next, do, scale, saved):
     return scale * saved["m"].transpose(1, 2) @ do + saved["e"][:, :, None] * (k @ ds_next)
 
 
-def _l2_norm_backward(x, dy, eps=1e-6):
+def l2_norm_backward(x, dy, eps=1e-6):
     """Gradient through y = x r, r = (|x|^2 + eps)^-1/2:  dx = r (dy - y (y . dy))."""
     r = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
     y = x * r

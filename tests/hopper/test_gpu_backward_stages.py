@@ -65,3 +65,41 @@ def test_backward_stages_without_initial_state_or_dht_d64():
     got, ref, real = _run([200, 65], 1, 2, 64, h0=False, dht=False)
     assert rel_err(got["dh"][:real], ref["dh"]) <= TOL
     assert rel_err(got["dh0_all"], ref["dh0_all"]) <= TOL
+
+
+@pytest.mark.parametrize("l2,state_v_first", [(False, False), (True, True)])
+def test_hopper_backward_matches_naive_autograd(l2, state_v_first):
+    from flash_gdn.hopper.backward import hopper_backward
+    from flash_gdn.reference import naive_recurrence
+
+    lengths = [1, 0, 64, 300, 5, 129, 700]
+    dev, t, n, hqk, hv, d = "cuda", sum(lengths), len(lengths), 2, 8, 128
+    q = torch.randn(1, t, hqk, d, device=dev)
+    k = torch.randn(1, t, hqk, d, device=dev)
+    if not l2:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(1, t, hv, d, device=dev)
+    g = -(20.0 * torch.rand(1, t, hv, device=dev))
+    g[..., :2] = 0.0
+    beta = torch.rand(1, t, hv, device=dev)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    h0 = torch.randn(n, hv, d, d, device=dev)
+    cu = random_cu_seqlens(lengths, device=dev, dtype=torch.int32)
+    leaves = {name: x.double().requires_grad_(True) for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+    h0_ref = h0.double().requires_grad_(True)
+    o, s = naive_recurrence(**leaves, initial_state=h0_ref.transpose(-1, -2) if state_v_first else h0_ref,
+                            output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                            state_v_first=state_v_first)
+    do, dht = torch.randn_like(o), torch.randn_like(s)
+    torch.autograd.backward((o, s), (do, dht))
+    init = h0.transpose(-1, -2).contiguous() if state_v_first else h0
+    problem = check_inputs(q, k, v, g, beta, None, init, cu, state_v_first)
+    with poisoned():
+        dq, dk, dv, dg, dbeta, dh0 = hopper_backward(q, k, v, g, beta, do.to(torch.bfloat16), dht.float(), problem,
+                                                     init, l2, cu, state_v_first)
+    got = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta)
+    for name, tol in dict(q=1e-2, k=1e-2, v=1e-2, g=2e-2, beta=2e-2).items():
+        assert torch.isfinite(got[name]).all(), name
+        assert rel_err(got[name], leaves[name].grad) <= tol, (name, rel_err(got[name], leaves[name].grad))
+    ref_dh0 = h0_ref.grad.transpose(-1, -2) if state_v_first else h0_ref.grad
+    assert rel_err(dh0, ref_dh0) <= 1e-2
