@@ -8,6 +8,7 @@ shapes alone (``ceil(T / C) + N`` chunks); chunks past the real count have
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -43,9 +44,33 @@ class ChunkPlan(NamedTuple):
 
 
 def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
-    """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given."""
+    """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given.
+
+    Without ``cu_seqlens`` the map depends on the shape alone and is built once per
+    (B, T, device) and reused (no torch ops on later calls: less eager overhead) - except
+    during CUDA-graph capture, where ops are recorded, not run, so nothing may be cached.
+    """
+    if cu_seqlens is None and not _capturing(device):
+        return _batch_plan(batch, seq_len, _canonical(device))
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device)
-    return plan_chunks(cu, chunk_capacity(batch, seq_len, cu.numel() - 1, cu_seqlens is not None))
+    return plan_chunks(cu, chunk_capacity(batch, seq_len, cu.numel() - 1, True))
+
+
+def _capturing(device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _canonical(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_plan(batch: int, seq_len: int, device: torch.device) -> ChunkPlan:
+    cu = packed_cu_seqlens(batch, seq_len, None, device)
+    return plan_chunks(cu, chunk_capacity(batch, seq_len, batch, False))
 
 
 def plan_chunks(cu: torch.Tensor, num_chunks: int, chunk: int = CHUNK) -> ChunkPlan:
@@ -93,7 +118,22 @@ def segment_capacity(max_chunks: int, num_seqs: int, seg_chunks: int) -> int:
 
 def plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
                   seg_chunks: int) -> SegmentPlan:
-    """Split every sequence into segments of ``seg_chunks`` chunks (the last one shorter), on the device."""
+    """Split every sequence into segments of ``seg_chunks`` chunks (the last one shorter), on the device.
+
+    Built once per shape and reused when there is no ``cu_seqlens``.
+    """
+    if cu_seqlens is None and not _capturing(device):
+        return _batch_segments(batch, seq_len, _canonical(device), seg_chunks)
+    return _plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks)
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_segments(batch: int, seq_len: int, device: torch.device, seg_chunks: int) -> SegmentPlan:
+    return _plan_segments(batch, seq_len, None, device, seg_chunks)
+
+
+def _plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+                   seg_chunks: int) -> SegmentPlan:
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device).to(torch.int64)
     num_seqs = cu.numel() - 1
     varlen = cu_seqlens is not None

@@ -47,3 +47,16 @@ def test_segments_tile_every_sequence_in_order():
                 assert int(chunk_plan.chunk_bounds[first_chunk, 0]) == start
     used = int(segs.num_segs.sum())
     assert (info[used:] == 0).all()
+
+
+def test_batch_plans_are_built_once_per_shape():
+    from flash_gdn.planning import plan_segments
+
+    cpu = torch.device("cpu")
+    first, again = plan_for(3, 200, None, cpu), plan_for(3, 200, None, cpu)
+    assert first.chunk_bounds is again.chunk_bounds  # reused, no new torch ops
+    cu = torch.tensor([0, 200, 400, 600], dtype=torch.int32)
+    assert torch.equal(first.chunk_bounds, plan_for(1, 600, cu, cpu).chunk_bounds[: first.chunk_bounds.shape[0]])
+    segs = plan_segments(3, 200, None, cpu, seg_chunks=2)
+    assert segs is plan_segments(3, 200, None, cpu, seg_chunks=2)
+    assert plan_segments(3, 200, None, cpu, seg_chunks=1) is not segs

@@ -156,3 +156,14 @@ def test_context_parallel_on_and_off_agree(monkeypatch):
     o_ref, s_ref = naive_recurrence(**{n: t.double() for n, t in inputs.items()}, output_final_state=True)
     for o, s in ((o_on, s_on), (o_off, s_off)):
         assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+def test_batch_plan_first_built_inside_a_capture_is_not_reused_eagerly():
+    chunk_gated_delta_rule(**_inputs(64, 2, 8, 128, batch=2))  # compile outside capture
+    torch.cuda.synchronize()
+    static = _inputs(333, 2, 8, 128, batch=2)  # a shape planned for the first time inside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chunk_gated_delta_rule(**static)
+    fresh = _inputs(333, 2, 8, 128, batch=2)
+    _check(fresh)  # eager, same shape: must not reuse a plan that was only recorded
