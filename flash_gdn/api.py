@@ -7,6 +7,7 @@ states ``[N, Hv, K, V]`` fp32 (``[N, Hv, V, K]`` with ``state_v_first=True``); w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -113,7 +114,20 @@ def chunk_gated_delta_rule_bwd(
         raise TypeError(f"saved must be the ForwardSaved returned by chunk_gated_delta_rule_fwd, got {type(saved).__name__}")
     if not isinstance(do, torch.Tensor) or do.shape != saved.v.shape:
         raise ValueError(f"do must be shaped like o {tuple(saved.v.shape)}, got {getattr(do, 'shape', type(do).__name__)}")
+    if saved.path == dispatch.HOPPER and os.environ.get("FLASH_GDN_EXPERIMENTAL_HOPPER_BACKWARD") == "1":
+        return _hopper_backward(do, dht, saved)
     return _portable_backward(do, dht, saved)
+
+
+def _hopper_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
+    """The Hopper backward kernels (issue 4, being validated; opt-in until then)."""
+    from .hopper.backward import hopper_backward
+
+    problem = check_inputs(saved.q, saved.k, saved.v, saved.g, saved.beta, saved.scale, saved.initial_state,
+                           saved.cu_seqlens, saved.state_v_first)
+    return GDNGrads(*hopper_backward(saved.q, saved.k, saved.v, saved.g, saved.beta, do, dht, problem,
+                                     saved.initial_state, saved.use_qk_l2norm_in_kernel, saved.cu_seqlens,
+                                     saved.state_v_first))
 
 
 def _portable_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
