@@ -103,3 +103,24 @@ def test_hopper_backward_matches_naive_autograd(l2, state_v_first):
         assert rel_err(got[name], leaves[name].grad) <= tol, (name, rel_err(got[name], leaves[name].grad))
     ref_dh0 = h0_ref.grad.transpose(-1, -2) if state_v_first else h0_ref.grad
     assert rel_err(dh0, ref_dh0) <= 1e-2
+
+
+def test_autograd_through_experimental_hopper_backward(monkeypatch):
+    from flash_gdn import chunk_gated_delta_rule
+    from flash_gdn.reference import naive_recurrence
+
+    monkeypatch.setenv("FLASH_GDN_EXPERIMENTAL_HOPPER_BACKWARD", "1")
+    dev, t, hqk, hv, d = "cuda", 300, 2, 4, 128
+    inputs = dict(q=F.normalize(torch.randn(1, t, hqk, d, device=dev), dim=-1).to(torch.bfloat16),
+                  k=F.normalize(torch.randn(1, t, hqk, d, device=dev), dim=-1).to(torch.bfloat16),
+                  v=torch.randn(1, t, hv, d, device=dev).to(torch.bfloat16),
+                  g=-torch.rand(1, t, hv, device=dev), beta=torch.rand(1, t, hv, device=dev),
+                  initial_state=torch.randn(1, hv, d, d, device=dev))
+    leaves = {name: x.clone().requires_grad_(True) for name, x in inputs.items()}
+    o, s = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    (o.float().square().sum() + s.sum()).backward()
+    ref = {name: x.double().requires_grad_(True) for name, x in inputs.items()}
+    o_r, s_r = naive_recurrence(**ref, output_final_state=True)
+    (o_r.square().sum() + s_r.sum()).backward()
+    for name in leaves:
+        assert rel_err(leaves[name].grad, ref[name].grad) <= 2e-2, name
