@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ def _results_dir(arg: str | None) -> Path:
     return (repo if (repo / "pyproject.toml").exists() else Path.cwd()) / "benchmarks" / "results"
 
 
-def _make_inputs(row: Row, dim: int = 128, seed: int = 0):
+def _make_inputs(row: Row, dim: int = 128, seed: int = 0, l2norm: bool = False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     t = sum(row.lengths)
     dev, bf16 = "cuda", torch.bfloat16
@@ -38,8 +39,10 @@ def _make_inputs(row: Row, dim: int = 128, seed: int = 0):
     def rnd(*shape):
         return torch.randn(*shape, device=dev, generator=gen)
 
-    q = torch.nn.functional.normalize(rnd(1, t, row.h_qk, dim), dim=-1).to(bf16)
-    k = torch.nn.functional.normalize(rnd(1, t, row.h_qk, dim), dim=-1).to(bf16)
+    # With l2norm the kernels normalise q and k themselves (the Qwen3.5/3.6 call).
+    unit = (lambda x: x) if l2norm else (lambda x: torch.nn.functional.normalize(x, dim=-1))
+    q = unit(rnd(1, t, row.h_qk, dim)).to(bf16)
+    k = unit(rnd(1, t, row.h_qk, dim)).to(bf16)
     v = rnd(1, t, row.h_v, dim).to(bf16)
     g = torch.nn.functional.logsigmoid(rnd(1, t, row.h_v))
     beta = torch.sigmoid(rnd(1, t, row.h_v))
@@ -58,13 +61,14 @@ def _fla():
     return fla_gdn
 
 
-def _callables(mode: str, impl: str, inputs, cu, do):
+def _callables(mode: str, impl: str, inputs, cu, do, l2norm: bool = False):
     """A zero-argument function running one step of ``mode`` with implementation ``impl``."""
     from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
     fn = chunk_gated_delta_rule if impl == "ours" else _fla()
     if fn is None:
         return None
+    fn = functools.partial(fn, use_qk_l2norm_in_kernel=l2norm)
     if mode == "fwd":
         def step():
             with torch.no_grad():
@@ -73,7 +77,7 @@ def _callables(mode: str, impl: str, inputs, cu, do):
     leaves = {name: t.detach().clone().requires_grad_(True) for name, t in inputs.items()}
     if mode == "bwd":
         if impl == "ours":
-            _, _, saved = chunk_gated_delta_rule_fwd(**inputs, cu_seqlens=cu)
+            _, _, saved = chunk_gated_delta_rule_fwd(**inputs, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm)
             return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
         o, _ = fn(**leaves, cu_seqlens=cu)
         return lambda: torch.autograd.grad(o, list(leaves.values()), do, retain_graph=True)
@@ -100,16 +104,16 @@ def _measure(step, graph: bool):
     return result
 
 
-def run_row(row: Row, mode: str, with_fla: bool) -> dict:
-    inputs, cu, do = _make_inputs(row)
+def run_row(row: Row, mode: str, with_fla: bool, l2norm: bool = False) -> dict:
+    inputs, cu, do = _make_inputs(row, l2norm=l2norm)
     record = {
         "config": row.config, "seqlens": row.seqlens, "h_qk": row.h_qk, "h_v": row.h_v,
         "target_speedup_vs_fla": row.target_speedup_vs_fla, "published_ms": row.published_ms,
     }
-    ours = _measure(_callables(mode, "ours", inputs, cu, do), graph=True)
+    ours = _measure(_callables(mode, "ours", inputs, cu, do, l2norm), graph=True)
     record.update({f"ours_{k}": v for k, v in ours.items()})
     record["ours_ms"] = ours["kernel_ms"]
-    fla_step = _callables(mode, "fla", inputs, cu, do) if with_fla else None
+    fla_step = _callables(mode, "fla", inputs, cu, do, l2norm) if with_fla else None
     if fla_step is not None:
         fla = _measure(fla_step, graph=False)
         record.update({f"fla_{k}": v for k, v in fla.items()})
@@ -208,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                         "every comma-separated part (repeatable), e.g. --rows 'TP8,1x32768'")
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
     parser.add_argument("--out", help="results folder (default: benchmarks/results of the repo)")
+    parser.add_argument("--l2norm", action="store_true", help="raw q, k with use_qk_l2norm_in_kernel=True (both libraries)")
     args = parser.parse_args(argv)
 
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
@@ -218,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         print("no rows match --rows", file=sys.stderr)
         return 2
     gpu = torch.cuda.get_device_name()
-    meta = {"mode": args.mode, "gpu": gpu, "date": datetime.date.today().isoformat(), **_versions()}
+    meta = {"mode": args.mode, "gpu": gpu, "date": datetime.date.today().isoformat(), "l2norm": args.l2norm,
+            **_versions()}
     records = []
     for i, row in enumerate(rows, 1):
         start = time.perf_counter()
-        record = run_row(row, args.mode, with_fla=not args.no_fla)
+        record = run_row(row, args.mode, with_fla=not args.no_fla, l2norm=args.l2norm)
         records.append(record)
         print(f"[{i}/{len(rows)}] {row.key}: ours {record['ours_ms']:.3f} ms, FLA {_fmt(record['fla_ms'])} ms, "
               f"speedup {_fmt(record['speedup_vs_fla'], '.2f')} (target {row.target_speedup_vs_fla:.2f}) "
@@ -230,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = _results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{meta['date']}-{gpu.replace(' ', '_')}-{args.mode}"
+    stem = f"{meta['date']}-{gpu.replace(' ', '_')}-{args.mode}{'-l2norm' if args.l2norm else ''}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     table = markdown_table(records, meta)
     (out / f"{stem}.md").write_text(table)
