@@ -39,6 +39,7 @@ class ForwardSaved:
     state_v_first: bool
     path: str
     extras: dict
+    problem: Problem  # the validated shapes
 
 
 class GDNGrads(NamedTuple):
@@ -98,7 +99,7 @@ def chunk_gated_delta_rule_fwd(
             state_v_first, path,
         )
     saved = ForwardSaved(q, k, v, g, beta, problem.scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                         state_v_first, path, extras)
+                         state_v_first, path, extras, problem)
     return o, final_state, saved
 
 
@@ -123,9 +124,7 @@ def _hopper_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
     """The Hopper backward kernels (issue 4, being validated; opt-in until then)."""
     from .hopper.backward import hopper_backward
 
-    problem = check_inputs(saved.q, saved.k, saved.v, saved.g, saved.beta, saved.scale, saved.initial_state,
-                           saved.cu_seqlens, saved.state_v_first)
-    return GDNGrads(*hopper_backward(saved.q, saved.k, saved.v, saved.g, saved.beta, do, dht, problem,
+    return GDNGrads(*hopper_backward(saved.q, saved.k, saved.v, saved.g, saved.beta, do, dht, saved.problem,
                                      saved.initial_state, saved.use_qk_l2norm_in_kernel, saved.cu_seqlens,
                                      saved.state_v_first))
 
@@ -160,7 +159,7 @@ class _HopperGDN(torch.autograd.Function):
             dispatch.HOPPER,
         )
         ctx.saved = ForwardSaved(q, k, v, g, beta, problem.scale, initial_state, cu_seqlens, use_l2, state_v_first,
-                                 dispatch.HOPPER, extras)
+                                 dispatch.HOPPER, extras, problem)
         ctx.has_final = final_state is not None
         return (o, final_state) if ctx.has_final else (o,)
 

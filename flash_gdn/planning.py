@@ -73,21 +73,41 @@ def _batch_plan(batch: int, seq_len: int, device: torch.device) -> ChunkPlan:
     return plan_chunks(cu, chunk_capacity(batch, seq_len, batch, False))
 
 
+class _Pieces(NamedTuple):
+    """Every sequence cut into pieces of ``size`` tokens (the last one shorter), numbered
+    sequence by sequence. Per piece slot: whether it holds a piece, start, end (0, 0 if not),
+    sequence, position j in its sequence; per sequence: pieces and index of its first piece."""
+
+    valid: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    seq: torch.Tensor
+    j: torch.Tensor
+    per_seq: torch.Tensor
+    first: torch.Tensor
+
+
+def _cut(cu: torch.Tensor, size: int, slots: int, min_per_seq: int) -> _Pieces:
+    lens = cu[1:] - cu[:-1]
+    per_seq = torch.clamp((lens + size - 1) // size, min=min_per_seq)
+    ends = torch.cumsum(per_seq, 0)
+    first = ends - per_seq
+    idx = torch.arange(slots, device=cu.device, dtype=torch.int64)
+    seq = torch.searchsorted(ends, idx, right=True)
+    valid = seq < lens.numel()
+    seq = seq.clamp(max=lens.numel() - 1)
+    j = idx - first[seq]
+    start = torch.minimum(cu[seq] + j * size, cu[seq + 1]) * valid
+    end = torch.minimum(start + size, cu[seq + 1]) * valid
+    return _Pieces(valid, start, end, seq, j, per_seq, first)
+
+
 def plan_chunks(cu: torch.Tensor, num_chunks: int, chunk: int = CHUNK) -> ChunkPlan:
     """Chunk map of packed sequences with offsets ``cu`` (``[N + 1]``); zero-length sequences own no chunk."""
     cu = cu.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    chunks_per_seq = (lens + chunk - 1) // chunk
-    chunk_end = torch.cumsum(chunks_per_seq, 0)
-    first_chunk = chunk_end - chunks_per_seq
-    idx = torch.arange(num_chunks, device=cu.device, dtype=torch.int64)
-    seq = torch.searchsorted(chunk_end, idx, right=True)
-    valid = seq < lens.numel()
-    seq = seq.clamp(max=lens.numel() - 1)
-    start = cu[seq] + chunk * (idx - first_chunk[seq])
-    end = torch.minimum(start + chunk, cu[seq + 1])
-    bounds = (torch.stack([start, end], dim=1) * valid[:, None]).to(torch.int32)
-    seq_info = torch.stack([cu[:-1], cu[1:], first_chunk], dim=1).to(torch.int32)
+    pieces = _cut(cu, chunk, num_chunks, min_per_seq=0)
+    bounds = torch.stack([pieces.start, pieces.end], dim=1).to(torch.int32)
+    seq_info = torch.stack([cu[:-1], cu[1:], pieces.first], dim=1).to(torch.int32)
     return ChunkPlan(bounds, seq_info)
 
 
@@ -99,16 +119,14 @@ class SegmentPlan(NamedTuple):
     first_seg: ``[N]`` int64, index of each sequence's first segment.
     num_segs: ``[N]`` int64, segments per sequence (at least 1, so an empty sequence still
         carries its initial state to its final state).
-    max_segs: host bound on ``num_segs`` (from shapes), the length of the initial-state scan.
-    uniform: every sequence has exactly ``max_segs`` segments, sequence n's first being
-        ``n * max_segs`` (B sequences of one length, or a single packed sequence).
+    max_segs: host bound on ``num_segs`` (from shapes), the length of the initial-state scan;
+        exact for B sequences of one length or a single packed sequence.
     """
 
     seg_info: torch.Tensor
     first_seg: torch.Tensor
     num_segs: torch.Tensor
     max_segs: int
-    uniform: bool
 
 
 def segment_capacity(max_chunks: int, num_seqs: int, seg_chunks: int) -> int:
@@ -139,27 +157,16 @@ def _plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, de
     varlen = cu_seqlens is not None
     max_chunks = chunk_capacity(batch, seq_len, num_seqs, varlen)
     capacity = segment_capacity(max_chunks, num_seqs, seg_chunks)
-    seg_tokens = seg_chunks * CHUNK
-
-    lens = cu[1:] - cu[:-1]
-    chunks_per_seq = (lens + CHUNK - 1) // CHUNK
+    # A sequence's chunks are numbered consecutively, so segment j starts at chunk
+    # first_chunk(sequence) + j * seg_chunks. Empty sequences keep one (empty) segment.
+    segs = _cut(cu, seg_chunks * CHUNK, capacity, min_per_seq=1)
+    chunks_per_seq = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
     seq_first_chunk = torch.cumsum(chunks_per_seq, 0) - chunks_per_seq
-    segs_per_seq = torch.clamp((chunks_per_seq + seg_chunks - 1) // seg_chunks, min=1)
-    seg_end = torch.cumsum(segs_per_seq, 0)
-    first_seg = seg_end - segs_per_seq
-
-    idx = torch.arange(capacity, device=device, dtype=torch.int64)
-    seq = torch.searchsorted(seg_end, idx, right=True)
-    valid = seq < num_seqs
-    seq = seq.clamp(max=num_seqs - 1)
-    j = idx - first_seg[seq]
-    start = torch.minimum(cu[seq] + j * seg_tokens, cu[seq + 1])
-    end = torch.minimum(start + seg_tokens, cu[seq + 1])
-    first_chunk = seq_first_chunk[seq] + j * seg_chunks
-    seg_info = (torch.stack([start, end, first_chunk], dim=1) * valid[:, None]).to(torch.int32)
+    first_chunk = (seq_first_chunk[segs.seq] + segs.j * seg_chunks) * segs.valid
+    seg_info = torch.stack([segs.start, segs.end, first_chunk], dim=1).to(torch.int32)
     # Without cu_seqlens every sequence has seq_len tokens; a single packed sequence has all
-    # B * T of them. Then the segment count is known exactly on the host.
-    uniform = not varlen or num_seqs == 1
-    longest = -(-(seq_len if not varlen else batch * seq_len) // CHUNK)
-    max_segs = max(1, -(-(longest if uniform else max_chunks) // seg_chunks))
-    return SegmentPlan(seg_info, first_seg, segs_per_seq, max_segs, uniform)
+    # B * T of them. Then the longest sequence's chunk count is known on the host.
+    exact = not varlen or num_seqs == 1
+    longest = -(-(seq_len if not varlen else batch * seq_len) // CHUNK) if exact else max_chunks
+    max_segs = max(1, -(-longest // seg_chunks))
+    return SegmentPlan(seg_info, segs.first, segs.per_seq, max_segs)

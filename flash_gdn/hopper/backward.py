@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import plan_for
 from ..reference.chunked_backward import l2_norm_backward
 from ..validation import Problem
 from .chunk_states import build_chunk_states
-from .prepare_wu import build_prepare_wu
+from .prepare_wu import run_prepare
 from .qk_grads import build_qk_grads
 from .state_grads import build_state_grads
-from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
+from .tiles import CHUNK, TL_DTYPE
 from .wy_grads import build_wy_grads
 
 
@@ -28,27 +27,14 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     ``reference.chunked_backward.chunked_backward(intermediates=True)``; states in the
     ``[.., K, V]`` layout)."""
     batch, seq_len = problem.batch, problem.seq_len
-    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
     tl_dtype = TL_DTYPE[dtype]
-    gate_dtype = kernel_gate_dtype(g, beta, dtype)
-    qf = q.reshape(tokens, hqk, dk).contiguous()
-    kf = k.reshape(tokens, hqk, dk).contiguous()
-    vf = v.reshape(tokens, hv, dv).contiguous()
-    dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
-    gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
-    bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
-
-    plan = plan_for(batch, seq_len, cu_seqlens, dev)
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2)
+    qf, kf, vf, bf, w, u, gamma = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.u, prep.gamma
+    q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     num_chunks = plan.chunk_bounds.shape[0]
-    w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
-    u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    gamma = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    q_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    k_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    build_prepare_wu(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(
-        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv
-    )
+    dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
 
     h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
     v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
@@ -71,7 +57,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     dk_wy = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
     dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(
+    build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[bf.dtype])(
         kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy
     )
 

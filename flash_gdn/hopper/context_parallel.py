@@ -65,8 +65,6 @@ def segment_initial_states(seg_state: torch.Tensor, plan: SegmentPlan, initial_s
     segments write to a spare row instead.
     """
     capacity, hv, dk, _ = seg_state.shape
-    if plan.uniform:
-        return _uniform_scan(seg_state, plan, initial_state, head_v)
     h, m = seg_state[..., :head_v], seg_state[..., head_v:]
     init = torch.zeros(capacity + 1, hv, dk, head_v, dtype=torch.float32, device=seg_state.device)
     if initial_state is not None:
@@ -86,19 +84,3 @@ def segment_initial_states(seg_state: torch.Tensor, plan: SegmentPlan, initial_s
         ).view(-1, hv, dk, head_v)
     return init[:capacity]
 
-
-def _uniform_scan(seg_state, plan: SegmentPlan, initial_state, head_v):
-    """The scan when sequence n owns segments n * S .. n * S + S - 1: slices instead of
-    gathers, two ops per step."""
-    capacity, hv, dk, _ = seg_state.shape
-    n, s = plan.first_seg.numel(), plan.max_segs
-    state = seg_state[: n * s].view(n, s, hv, dk, head_v + dk)
-    init = torch.zeros(capacity, hv, dk, head_v, dtype=torch.float32, device=seg_state.device)
-    steps = init[: n * s].view(n, s, hv, dk, head_v)
-    if initial_state is not None:
-        steps[:, 0] = initial_state
-    for j in range(1, s):
-        # init[j] = M[j - 1] init[j - 1] + h[j - 1]
-        torch.add(state[:, j - 1, ..., :head_v], torch.matmul(state[:, j - 1, ..., head_v:], steps[:, j - 1]),
-                  out=steps[:, j])
-    return init

@@ -8,55 +8,38 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import chunk_capacity, plan_for, plan_segments
+from ..planning import chunk_capacity, plan_segments
 from ..validation import Problem
 from .context_parallel import segment_chunks_for, segment_initial_states
-from .prepare_wu import build_prepare_wu
+from .prepare_wu import run_prepare
 from .segment_state import build_segment_state
 from .state_output import build_state_output
-from .tiles import TL_DTYPE, kernel_gate_dtype
+from .tiles import TL_DTYPE
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
                    state_v_first):
     """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``."""
     batch, seq_len = problem.batch, problem.seq_len
-    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens = batch * seq_len
-    dtype = q.dtype
-    tl_dtype = TL_DTYPE[dtype]
-    gate_dtype = kernel_gate_dtype(g, beta, dtype)
-
+    tl_dtype = TL_DTYPE[q.dtype]
     # The L2 norm of q and k (use_l2) is fused: prepare_wu computes the inverse row norms,
     # the state kernels fold them into their row factors.
-    qf = q.reshape(tokens, hqk, dk).contiguous()
-    kf = k.reshape(tokens, hqk, dk).contiguous()
-    vf = v.reshape(tokens, hv, dv).contiguous()
-    gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
-    bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
-
-    plan = plan_for(batch, seq_len, cu_seqlens, q.device)
-
-    num_chunks = plan.chunk_bounds.shape[0]
-    w = torch.empty(tokens, hv, dk, dtype=dtype, device=q.device)
-    u = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
-    # gamma (chunk-local cumsum of g) per value head and chunk, gamma_C past its end: one
-    # chunk's gammas are one 16-byte-aligned TMA box.
-    gamma = torch.empty(hv, num_chunks, 64, dtype=torch.float32, device=q.device)
-    q_norm_inv = torch.empty(hqk, num_chunks, 64, dtype=torch.float32, device=q.device)
-    k_norm_inv = torch.empty(hqk, num_chunks, 64, dtype=torch.float32, device=q.device)
-    build_prepare_wu(dk, dv, tl_dtype, TL_DTYPE[gate_dtype])(
-        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv
-    )
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2)
+    qf, kf, w, u, gamma = prep.q, prep.k, prep.w, prep.u, prep.gamma
+    q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
 
     h0 = None
     if initial_state is not None:
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
         h0 = h0.to(torch.float32).contiguous()
-    o = torch.empty(tokens, hv, dv, dtype=dtype, device=q.device)
+    o = torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device)
 
     def state_output(has_initial):
-        return build_state_output(dk, dv, tl_dtype, has_initial, state_block_v(dv))
+        # Block of all of V: two consumer warpgroups share one sequence and head (faster than
+        # two CTAs of 64 columns even when the GPU is underfilled: 6.1 vs 6.9 us per chunk, H200).
+        return build_state_output(dk, dv, tl_dtype, has_initial, dv)
 
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
@@ -85,9 +68,3 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = None
     return o.view(batch, seq_len, hv, dv), final_state, {"gamma_chunks": gamma}
 
-
-def state_block_v(head_v: int) -> int:
-    """V columns per CTA of ``state_output``: all of V, so two consumer warpgroups share one
-    sequence and head (measured faster than two CTAs of 64 columns even when sequences x
-    heads underfill the GPU: 6.1 vs 6.9 us per chunk at 2/8 heads, H200)."""
-    return head_v

@@ -18,11 +18,14 @@ several chunks per CTA measured slower: 1 CTA/SM instead of 3; see docs/performa
 """
 
 import functools
+from typing import NamedTuple
 
 import tilelang
 import tilelang.language as T
+import torch
 
-from .tiles import ACCUM, BLOCK, CHUNK, HALF, blocked_unit_lower_inverse
+from ..planning import ChunkPlan, plan_for
+from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,3 +148,45 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
 
     return prepare_wu
 
+
+
+class Prepared(NamedTuple):
+    """What the forward and the backward share after ``prepare_wu``: the chunk plan, the
+    inputs flattened to ``[tokens, heads, dim]`` (g and beta in the kernels' gate dtype),
+    W, U, gamma ``[Hv, chunks, 64]`` and the inverse norms ``[Hqk, chunks, 64]``."""
+
+    plan: ChunkPlan
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    gamma: torch.Tensor
+    q_norm_inv: torch.Tensor
+    k_norm_inv: torch.Tensor
+
+
+def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool) -> Prepared:
+    """Plan the chunks and launch ``prepare_wu`` (no host synchronisation)."""
+    tokens = problem.batch * problem.seq_len
+    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    dtype, dev = q.dtype, q.device
+    gate_dtype = kernel_gate_dtype(g, beta, dtype)
+    qf = q.reshape(tokens, hqk, dk).contiguous()
+    kf = k.reshape(tokens, hqk, dk).contiguous()
+    vf = v.reshape(tokens, hv, dv).contiguous()
+    gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
+    bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
+    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev)
+    num_chunks = plan.chunk_bounds.shape[0]
+    w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
+    u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    # gamma per value head and chunk (gamma_C past the chunk's end): one 16-byte-aligned TMA box.
+    gamma = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    q_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    k_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype])(
+        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv
+    )
+    return Prepared(plan, qf, kf, vf, bf, w, u, gamma, q_norm_inv, k_norm_inv)

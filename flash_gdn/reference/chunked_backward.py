@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .chunked import decay_matrix, gate_free_inverse
 from .naive import expand_qk_heads, l2_normalize, sequence_bounds
 
 CHUNK = 64
@@ -47,12 +48,9 @@ def _chunk_forward(q, k, v, g, beta, state, scale):
     gamma = torch.cumsum(g, dim=1)                                   # [H, c]
     lower_incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     strict = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
-    diff = gamma[:, :, None] - gamma[:, None, :]
-    gam = torch.where(lower_incl, torch.exp(torch.where(lower_incl, diff, 0.0)), 0.0)
+    gam = decay_matrix(gamma)
     kk = k @ k.transpose(1, 2)
-    lower = torch.where(strict, beta[:, :, None] * kk, 0.0)
-    eye = torch.eye(c, dtype=q.dtype, device=q.device)
-    a_r = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    a_r = gate_free_inverse(k, beta)
     a_u = gam * a_r * beta[:, None, :]
     a_w = torch.where(lower_incl, torch.exp(gamma)[:, :, None] * a_r * beta[:, None, :], 0.0)
     u, w = a_u @ v, a_w @ k
