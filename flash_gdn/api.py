@@ -115,13 +115,13 @@ def chunk_gated_delta_rule_bwd(
         raise TypeError(f"saved must be the ForwardSaved returned by chunk_gated_delta_rule_fwd, got {type(saved).__name__}")
     if not isinstance(do, torch.Tensor) or do.shape != saved.v.shape:
         raise ValueError(f"do must be shaped like o {tuple(saved.v.shape)}, got {getattr(do, 'shape', type(do).__name__)}")
-    if saved.path == dispatch.HOPPER and os.environ.get("FLASH_GDN_EXPERIMENTAL_HOPPER_BACKWARD") == "1":
+    if saved.path == dispatch.HOPPER and os.environ.get("FLASH_GDN_PORTABLE_BACKWARD") != "1":
         return _hopper_backward(do, dht, saved)
     return _portable_backward(do, dht, saved)
 
 
 def _hopper_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
-    """The Hopper backward kernels (issue 4, being validated; opt-in until then)."""
+    """The Hopper backward kernels (``FLASH_GDN_PORTABLE_BACKWARD=1`` swaps in the portable one)."""
     from .hopper.backward import hopper_backward
 
     return GDNGrads(*hopper_backward(saved.q, saved.k, saved.v, saved.g, saved.beta, do, dht, saved.problem,

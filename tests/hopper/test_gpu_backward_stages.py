@@ -105,11 +105,10 @@ def test_hopper_backward_matches_naive_autograd(l2, state_v_first):
     assert rel_err(dh0, ref_dh0) <= 1e-2
 
 
-def test_autograd_through_experimental_hopper_backward(monkeypatch):
+def test_autograd_through_hopper_backward():
     from flash_gdn import chunk_gated_delta_rule
     from flash_gdn.reference import naive_recurrence
 
-    monkeypatch.setenv("FLASH_GDN_EXPERIMENTAL_HOPPER_BACKWARD", "1")
     dev, t, hqk, hv, d = "cuda", 300, 2, 4, 128
     inputs = dict(q=F.normalize(torch.randn(1, t, hqk, d, device=dev), dim=-1).to(torch.bfloat16),
                   k=F.normalize(torch.randn(1, t, hqk, d, device=dev), dim=-1).to(torch.bfloat16),

@@ -1,6 +1,7 @@
-"""Per-kernel GPU time of one forward call (torch.profiler), for the rows given on the command line.
+"""Per-kernel GPU time of one forward or backward call (torch.profiler), for the rows given
+on the command line.
 
-    python3 scripts/profile_forward.py 2/8:1x32768 16/64:8192x4
+    python3 scripts/profile_kernels.py [--bwd] 2/8:1x32768 16/64:8192x4
 """
 
 import sys
@@ -8,11 +9,11 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flash_gdn import chunk_gated_delta_rule
+from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_gdn.bench.rows import parse_lengths
 
 
-def profile_row(spec: str, iters: int = 5) -> None:
+def profile_row(spec: str, backward: bool, iters: int = 5) -> None:
     heads, seqlens = spec.split(":")
     hqk, hv = (int(x) for x in heads.split("/"))
     lengths = parse_lengths(seqlens)
@@ -23,13 +24,19 @@ def profile_row(spec: str, iters: int = 5) -> None:
     g = torch.nn.functional.logsigmoid(torch.randn(1, t, hv, device="cuda"))
     beta = torch.rand(1, t, hv, device="cuda")
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
-    chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    if backward:
+        _, _, saved = chunk_gated_delta_rule_fwd(q, k, v, g, beta, cu_seqlens=cu)
+        do = torch.randn_like(v)
+        step = lambda: chunk_gated_delta_rule_bwd(do, None, saved)  # noqa: E731
+    else:
+        step = lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)  # noqa: E731
+    step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+            step()
         torch.cuda.synchronize()
-    print(f"== {spec}: per call, us")
+    print(f"== {spec} {'backward' if backward else 'forward'}: per call, us")
     rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
     for name, us in sorted(rows, key=lambda r: -r[1]):
         print(f"  {us:9.1f}  {name[:90]}")
@@ -37,5 +44,8 @@ def profile_row(spec: str, iters: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    for spec in sys.argv[1:] or ["2/8:1x32768", "16/64:8192x4"]:
-        profile_row(spec)
+    args = sys.argv[1:]
+    backward = "--bwd" in args
+    specs = [a for a in args if a != "--bwd"]
+    for spec in specs or ["2/8:1x32768", "16/64:8192x4"]:
+        profile_row(spec, backward)
