@@ -61,7 +61,7 @@ def _fla():
     return fla_gdn
 
 
-def _callables(mode: str, impl: str, inputs, cu, do, l2norm: bool = False):
+def _callables(mode: str, impl: str, inputs, cu, do, l2norm: bool = False, save_states: bool = False):
     """A zero-argument function running one step of ``mode`` with implementation ``impl``."""
     from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
@@ -69,6 +69,8 @@ def _callables(mode: str, impl: str, inputs, cu, do, l2norm: bool = False):
     if fn is None:
         return None
     fn = functools.partial(fn, use_qk_l2norm_in_kernel=l2norm)
+    if impl == "ours" and save_states:
+        fn = functools.partial(fn, save_chunk_states=True)
     if mode == "fwd":
         def step():
             with torch.no_grad():
@@ -77,7 +79,8 @@ def _callables(mode: str, impl: str, inputs, cu, do, l2norm: bool = False):
     leaves = {name: t.detach().clone().requires_grad_(True) for name, t in inputs.items()}
     if mode == "bwd":
         if impl == "ours":
-            _, _, saved = chunk_gated_delta_rule_fwd(**inputs, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm)
+            _, _, saved = chunk_gated_delta_rule_fwd(**inputs, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
+                                                     save_chunk_states=save_states)
             return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
         o, _ = fn(**leaves, cu_seqlens=cu)
         return lambda: torch.autograd.grad(o, list(leaves.values()), do, retain_graph=True)
@@ -104,13 +107,13 @@ def _measure(step, graph: bool):
     return result
 
 
-def run_row(row: Row, mode: str, with_fla: bool, l2norm: bool = False) -> dict:
+def run_row(row: Row, mode: str, with_fla: bool, l2norm: bool = False, save_states: bool = False) -> dict:
     inputs, cu, do = _make_inputs(row, l2norm=l2norm)
     record = {
         "config": row.config, "seqlens": row.seqlens, "h_qk": row.h_qk, "h_v": row.h_v,
         "target_speedup_vs_fla": row.target_speedup_vs_fla, "published_ms": row.published_ms,
     }
-    ours = _measure(_callables(mode, "ours", inputs, cu, do, l2norm), graph=True)
+    ours = _measure(_callables(mode, "ours", inputs, cu, do, l2norm, save_states), graph=True)
     record.update({f"ours_{k}": v for k, v in ours.items()})
     record["ours_ms"] = ours["kernel_ms"]
     fla_step = _callables(mode, "fla", inputs, cu, do, l2norm) if with_fla else None
@@ -137,10 +140,13 @@ def markdown_table(records: list[dict], meta: dict) -> str:
         "",
         f"GPU: {meta['gpu']}; torch {meta['torch']}; tilelang {meta['tilelang']}; FLA {meta['fla']}; "
         f"{meta['date']}. Times in ms; kernel = sum of GPU kernel durations (torch.profiler); "
-        "eager = wall time per call; graph = CUDA-graph replay.",
+        "eager = wall time per call; graph = CUDA-graph replay; peak = peak extra CUDA memory of one "
+        f"step in MiB. Options: use_qk_l2norm_in_kernel={meta.get('l2norm', False)}, "
+        f"save_chunk_states={meta.get('save_chunk_states', False)} (ours).",
         "",
-        "| config | seqlens | hqk/hv | ours kernel | ours eager | ours graph | FLA kernel | FLA eager | speedup | target | |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | seqlens | hqk/hv | ours kernel | ours eager | ours graph | FLA kernel | FLA eager | speedup | target | |"
+        " ours peak | FLA peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "miss")
@@ -148,7 +154,7 @@ def markdown_table(records: list[dict], meta: dict) -> str:
             f"| {r['config']} | {r['seqlens']} | {r['h_qk']}/{r['h_v']} | {_fmt(r['ours_kernel_ms'])} | "
             f"{_fmt(r['ours_eager_ms'])} | {_fmt(r['ours_graph_ms'])} | {_fmt(r.get('fla_kernel_ms'))} | "
             f"{_fmt(r.get('fla_eager_ms'))} | {_fmt(r['speedup_vs_fla'], '.2f')} | {r['target_speedup_vs_fla']:.2f} | "
-            f"{verdict} |"
+            f"{verdict} | {_fmt(r.get('ours_peak_extra_mb'), '.0f')} | {_fmt(r.get('fla_peak_extra_mb'), '.0f')} |"
         )
     speedups = [r["speedup_vs_fla"] for r in records if r["speedup_vs_fla"]]
     if speedups:
@@ -213,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fla", action="store_true", help="time ours only")
     parser.add_argument("--out", help="results folder (default: benchmarks/results of the repo)")
     parser.add_argument("--l2norm", action="store_true", help="raw q, k with use_qk_l2norm_in_kernel=True (both libraries)")
+    parser.add_argument("--save-states", action="store_true",
+                        help="ours with save_chunk_states=True (bwd/train: the forward keeps the chunk states)")
     args = parser.parse_args(argv)
 
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
@@ -224,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpu = torch.cuda.get_device_name()
     meta = {"mode": args.mode, "gpu": gpu, "date": datetime.date.today().isoformat(), "l2norm": args.l2norm,
+            "save_chunk_states": args.save_states,
             **_versions()}
     records = []
     for i, row in enumerate(rows, 1):
         start = time.perf_counter()
-        record = run_row(row, args.mode, with_fla=not args.no_fla, l2norm=args.l2norm)
+        record = run_row(row, args.mode, with_fla=not args.no_fla, l2norm=args.l2norm, save_states=args.save_states)
         records.append(record)
         print(f"[{i}/{len(rows)}] {row.key}: ours {record['ours_ms']:.3f} ms, FLA {_fmt(record['fla_ms'])} ms, "
               f"speedup {_fmt(record['speedup_vs_fla'], '.2f')} (target {row.target_speedup_vs_fla:.2f}) "
@@ -236,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = _results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{meta['date']}-{gpu.replace(' ', '_')}-{args.mode}{'-l2norm' if args.l2norm else ''}"
+    stem = (f"{meta['date']}-{gpu.replace(' ', '_')}-{args.mode}{'-l2norm' if args.l2norm else ''}"
+            f"{'-saved' if args.save_states else ''}")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     table = markdown_table(records, meta)
     (out / f"{stem}.md").write_text(table)

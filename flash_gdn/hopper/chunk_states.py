@@ -1,12 +1,14 @@
 """Backward stage 1 (sequential over chunks): recompute every chunk's start state and V_new.
 
-Not wired into the API yet (issue 4 in progress; GPU tests in tests/hopper/test_gpu_backward_stages.py).
-One CTA per (sequence, value head), state in fp32 registers, the forward's recurrence
-(DESIGN section 2) without the output:
+One CTA per (sequence, block of ``block_v`` state columns, value head), state in fp32
+registers, the forward's recurrence (DESIGN section 2) without the output:
 
     h[chunk] = S                        (input dtype; the backward's chunk-parallel stage reads it)
     V_new    = U - W S                  (input dtype, rows of the sequence only)
     S        = e^gamma_C S + K_g^T V_new
+
+Columns of S (and of U, V_new) evolve independently, so splitting V over CTAs is exact; it
+buys parallelism when sequences x heads leave SMs idle (``state_block_v``).
 """
 
 import functools
@@ -18,18 +20,19 @@ from .tiles import ACCUM, CHUNK
 
 
 @functools.lru_cache(maxsize=None)
-def build_chunk_states(head_k: int, head_v: int, dtype: str, has_initial: bool, num_stages: int = 2):
-    return _chunk_states_kernel(head_k, head_v, dtype, has_initial, num_stages)
+def build_chunk_states(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int | None = None,
+                       num_stages: int = 2):
+    return _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v or head_v, num_stages)
 
 
 @tilelang.jit
-def _chunk_states_kernel(head_k, head_v, dtype, has_initial, num_stages):
+def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
-    threads = 128 * (head_v // 64)
+    threads = 128 * max(1, block_v // 64)
 
     @T.prim_func
     def chunk_states(
@@ -43,17 +46,17 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, num_stages):
         h: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
         v_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
     ):
-        with T.Kernel(num_seqs, num_v_heads, threads=threads) as (seq, head):
+        with T.Kernel(num_seqs, head_v // block_v, num_v_heads, threads=threads) as (seq, v_block, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            u_tile = T.alloc_shared((CHUNK, head_v), dtype)
-            state_s = T.alloc_shared((head_k, head_v), dtype)
-            vn_s = T.alloc_shared((CHUNK, head_v), dtype)
+            u_tile = T.alloc_shared((CHUNK, block_v), dtype)
+            state_s = T.alloc_shared((head_k, block_v), dtype)
+            vn_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
-            state = T.alloc_fragment((head_k, head_v), ACCUM)
-            vn = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            state = T.alloc_fragment((head_k, block_v), ACCUM)
+            vn = T.alloc_fragment((CHUNK, block_v), ACCUM)
             seq_start = T.alloc_var("int32")
             seq_end = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")
@@ -64,41 +67,42 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, num_stages):
             qk_head = T.alloc_var("int32")
 
             qk_head = head // (num_v_heads // num_qk_heads)
+            v0 = v_block * block_v
             seq_start = seq_info[seq, 0]
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
             if has_initial:
-                for i, j in T.Parallel(head_k, head_v):
-                    state[i, j] = initial_state[seq, head, i, j]
+                for i, j in T.Parallel(head_k, block_v):
+                    state[i, j] = initial_state[seq, head, i, v0 + j]
             else:
                 T.clear(state)
 
             for c in T.Pipelined(T.ceildiv(seq_end - seq_start, CHUNK), num_stages=num_stages):
                 T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
                 T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
-                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_v], u_tile)
+                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, v0:v0 + block_v], u_tile)
                 T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
                 T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
-                T.copy(state_s, h[first_chunk + c, head, 0:head_k, 0:head_v])
+                T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
                 for i in T.Parallel(CHUNK):
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
 
                 T.gemm(w_tile, state_s, vn, clear_accum=True)
-                for i, j in T.Parallel(CHUNK, head_v):
+                for i, j in T.Parallel(CHUNK, block_v):
                     vn_s[i, j] = T.if_then_else(
                         i < length, T.cast(T.cast(u_tile[i, j], ACCUM) - vn[i, j], dtype), T.cast(0, dtype)
                     )
-                for i, j in T.Parallel(CHUNK, head_v):
+                for i, j in T.Parallel(CHUNK, block_v):
                     if i < length:
-                        v_new[start + i, head, j] = vn_s[i, j]
+                        v_new[start + i, head, v0 + j] = vn_s[i, j]
                 for i, d in T.Parallel(CHUNK, head_k):
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
-                for i, j in T.Parallel(head_k, head_v):
+                for i, j in T.Parallel(head_k, block_v):
                     state[i, j] = state[i, j] * decay
                 T.gemm(k_tile, vn_s, state, transpose_A=True)
 

@@ -18,8 +18,13 @@ from .tiles import TL_DTYPE
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
-                   state_v_first):
-    """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``."""
+                   state_v_first, save_states: bool = False):
+    """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``.
+
+    With ``save_states``, ``extras`` holds what the backward would otherwise recompute:
+    ``prepared`` (W, gamma, inverse norms, the chunk plan; U dropped) and every chunk's start
+    state ``h`` [chunks, Hv, K, V] and ``v_new`` [tokens, Hv, V] in the input dtype.
+    """
     batch, seq_len = problem.batch, problem.seq_len
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens = batch * seq_len
@@ -35,11 +40,16 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
         h0 = h0.to(torch.float32).contiguous()
     o = torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device)
+    if save_states:
+        h = torch.empty(plan.chunk_bounds.shape[0], hv, dk, dv, dtype=q.dtype, device=q.device)
+        v_new = torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device)
+    else:  # not written by the kernel compiled without store_states
+        h, v_new = torch.empty(1, hv, dk, dv, dtype=q.dtype, device=q.device), o
 
     def state_output(has_initial):
         # Block of all of V: two consumer warpgroups share one sequence and head (faster than
         # two CTAs of 64 columns even when the GPU is underfilled: 6.1 vs 6.9 us per chunk, H200).
-        return build_state_output(dk, dv, tl_dtype, has_initial, dv)
+        return build_state_output(dk, dv, tl_dtype, has_initial, dv, save_states)
 
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
@@ -48,7 +58,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         # Without an initial state the kernel is compiled not to read one (any buffer will do).
         state_output(has_initial=h0 is not None)(
             qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, plan.seq_info, final_state if h0 is None else h0,
-            problem.scale, o, final_state,
+            problem.scale, o, final_state, h, v_new,
         )
     else:
         segs = plan_segments(batch, seq_len, cu_seqlens, q.device, seg_chunks)
@@ -58,7 +68,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         seg_init = segment_initial_states(seg_state, segs, h0, dv)
         seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         state_output(has_initial=True)(
-            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final
+            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final, h, v_new
         )
         final_state = seg_final[segs.first_seg + segs.num_segs - 1]
 
@@ -66,5 +76,8 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
     else:
         final_state = None
-    return o.view(batch, seq_len, hv, dv), final_state, {"gamma_chunks": gamma}
+    extras = {"gamma_chunks": gamma}
+    if save_states:
+        extras.update(prepared=prep._replace(u=None), h=h, v_new=v_new)
+    return o.view(batch, seq_len, hv, dv), final_state, extras
 

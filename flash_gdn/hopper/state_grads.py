@@ -1,15 +1,19 @@
 """Backward stage 2 (sequential over chunks, in reverse): the state gradient and dV_new.
 
-Not wired into the API yet (issue 4 in progress; GPU tests in tests/hopper/test_gpu_backward_stages.py).
-One CTA per (sequence, value head), dS (the gradient of the state at the current chunk's
-end) in fp32 registers, chunks from last to first (reference/chunked_backward.py):
+One CTA per (sequence, block of ``block_v`` state columns, value head), dS (the gradient of
+the state at the current chunk's end) in fp32 registers, chunks from last to first
+(reference/chunked_backward.py):
 
     dh[chunk] = dS'                                        (input dtype)
     dV_new    = M^T dO + E K dS'                           M = scale Gamma * tril(Q K^T)
     dS        = e^gamma_C dS' + (scale D Q)^T dO - W^T dV_new
 
+M^T dO comes precomputed from the chunk-parallel ``local_dv`` kernel, so each chunk's
+critical path holds three products (E K dS', (D Q)^T dO, W^T dV_new).
+
 dS starts at dht (the final state's gradient) or 0 and ends as dh0. Rows past the
 sequence's end are masked out of M, D and E, so the next sequence's dO never leaks in.
+Columns of dS, dO and dV_new go together, so splitting V over CTAs is exact.
 """
 
 import functools
@@ -21,18 +25,19 @@ from .tiles import ACCUM, CHUNK
 
 
 @functools.lru_cache(maxsize=None)
-def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, num_stages: int = 2):
-    return _state_grads_kernel(head_k, head_v, dtype, has_dht, num_stages)
+def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, block_v: int | None = None,
+                      num_stages: int = 2):
+    return _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v or head_v, num_stages)
 
 
 @tilelang.jit
-def _state_grads_kernel(head_k, head_v, dtype, has_dht, num_stages):
+def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
-    threads = 128 * (head_v // 64)
+    threads = 128 * max(1, block_v // 64)
 
     @T.prim_func
     def state_grads(
@@ -40,6 +45,7 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, num_stages):
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
         do: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        dv_local: T.Tensor((tokens, num_v_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
@@ -50,23 +56,22 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, num_stages):
         dv_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
         dh0: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
-        with T.Kernel(num_seqs, num_v_heads, threads=threads) as (seq, head):
+        with T.Kernel(num_seqs, head_v // block_v, num_v_heads, threads=threads) as (seq, v_block, head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            do_tile = T.alloc_shared((CHUNK, head_v), dtype)
-            ds_s = T.alloc_shared((head_k, head_v), dtype)
-            m_s = T.alloc_shared((CHUNK, CHUNK), dtype)
-            dvn_s = T.alloc_shared((CHUNK, head_v), dtype)
-            neg_dvn_s = T.alloc_shared((CHUNK, head_v), dtype)
+            do_tile = T.alloc_shared((CHUNK, block_v), dtype)
+            ds_s = T.alloc_shared((head_k, block_v), dtype)
+            dvl_tile = T.alloc_shared((CHUNK, block_v), dtype)
+            dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
+            neg_dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             q_scale = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
-            ds = T.alloc_fragment((head_k, head_v), ACCUM)
-            qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-            dvn = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            ds = T.alloc_fragment((head_k, block_v), ACCUM)
+            dvn = T.alloc_fragment((CHUNK, block_v), ACCUM)
             seq_start = T.alloc_var("int32")
             seq_end = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")
@@ -79,13 +84,14 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, num_stages):
             qk_head = T.alloc_var("int32")
 
             qk_head = head // (num_v_heads // num_qk_heads)
+            v0 = v_block * block_v
             seq_start = seq_info[seq, 0]
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
             num_seq_chunks = T.ceildiv(seq_end - seq_start, CHUNK)
             if has_dht:
-                for i, j in T.Parallel(head_k, head_v):
-                    ds[i, j] = dht[seq, head, i, j]
+                for i, j in T.Parallel(head_k, block_v):
+                    ds[i, j] = dht[seq, head, i, v0 + j]
             else:
                 T.clear(ds)
 
@@ -98,7 +104,9 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, num_stages):
                 T.copy(w[seq_start + (num_seq_chunks - 1 - c) * CHUNK:seq_start + (num_seq_chunks - c) * CHUNK,
                          head, 0:head_k], w_tile)
                 T.copy(do[seq_start + (num_seq_chunks - 1 - c) * CHUNK:seq_start + (num_seq_chunks - c) * CHUNK,
-                          head, 0:head_v], do_tile)
+                          head, v0:v0 + block_v], do_tile)
+                T.copy(dv_local[seq_start + (num_seq_chunks - 1 - c) * CHUNK:seq_start + (num_seq_chunks - c) * CHUNK,
+                                head, v0:v0 + block_v], dvl_tile)
                 T.copy(gamma[head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], gamma_s)
                 T.copy(q_norm_inv[qk_head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], q_inv)
                 T.copy(k_norm_inv[qk_head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], k_inv)
@@ -106,42 +114,34 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, num_stages):
                 start = seq_start + (num_seq_chunks - 1 - c) * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(ds, ds_s)
-                T.copy(ds_s, dh[chunk, head, 0:head_k, 0:head_v])
+                T.copy(ds_s, dh[chunk, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
                 for i in T.Parallel(CHUNK):
                     q_scale[i] = T.if_then_else(i < length, T.__exp(gamma_s[i]) * scale * q_inv[i], T.cast(0, ACCUM))
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
 
-                # M = scale Gamma * tril(Q K^T), rows of this sequence only.
-                T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    m_s[i, j] = T.if_then_else(
-                        i >= j and i < length,
-                        T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * (scale * q_inv[i] * k_inv[j]), dtype),
-                        T.cast(0, dtype),
-                    )
                 for i, d in T.Parallel(CHUNK, head_k):
                     q_tile[i, d] = T.cast(q_tile[i, d] * q_scale[i], dtype)
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
 
-                # dV_new = M^T dO + (E K) dS'.
-                T.gemm(m_s, do_tile, dvn, transpose_A=True, clear_accum=True)
+                # dV_new = M^T dO (local_dv) + (E K) dS'.
+                T.copy(dvl_tile, dvn)
                 T.gemm(k_tile, ds_s, dvn)
-                for i, j in T.Parallel(CHUNK, head_v):
+                for i, j in T.Parallel(CHUNK, block_v):
                     dvn_s[i, j] = T.if_then_else(i < length, T.cast(dvn[i, j], dtype), T.cast(0, dtype))
                     neg_dvn_s[i, j] = T.if_then_else(i < length, T.cast(-dvn[i, j], dtype), T.cast(0, dtype))
-                for i, j in T.Parallel(CHUNK, head_v):
+                for i, j in T.Parallel(CHUNK, block_v):
                     if i < length:
-                        dv_new[start + i, head, j] = dvn_s[i, j]
+                        dv_new[start + i, head, v0 + j] = dvn_s[i, j]
 
                 # dS = e^gamma_C dS' + (scale D Q)^T dO - W^T dV_new.
-                for i, j in T.Parallel(head_k, head_v):
+                for i, j in T.Parallel(head_k, block_v):
                     ds[i, j] = ds[i, j] * decay
                 T.gemm(q_tile, do_tile, ds, transpose_A=True)
                 T.gemm(w_tile, neg_dvn_s, ds, transpose_A=True)
 
-            for i, j in T.Parallel(head_k, head_v):
-                dh0[seq, head, i, j] = ds[i, j]
+            for i, j in T.Parallel(head_k, block_v):
+                dh0[seq, head, i, v0 + j] = ds[i, j]
 
     return state_grads

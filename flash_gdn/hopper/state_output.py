@@ -16,6 +16,9 @@ q and k (from ``prepare_wu``) are folded into the same row factors and into P.
 Rows past the end of a sequence's last chunk hold the next sequence's tokens (or zeros past
 the tensor): V_new and K_g are zeroed there, the causal mask keeps them out of P, and their
 output rows are not written.
+
+With ``store_states`` the kernel also writes every chunk's start state h and V_new (input
+dtype) for the backward, which then skips its own recomputation (``chunk_states``).
 """
 
 import functools
@@ -28,17 +31,19 @@ from .tiles import ACCUM, CHUNK
 
 @functools.lru_cache(maxsize=None)
 def build_state_output(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int = 128,
-                       num_stages: int = 2):
-    return _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages)
+                       store_states: bool = False, num_stages: int = 2):
+    return _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_states, num_stages)
 
 
 @tilelang.jit
-def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages):
+def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_states, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
+    stored_chunks = T.dynamic("stored_chunks")  # num_chunks with store_states, else any (unused)
+    stored_tokens = T.dynamic("stored_tokens")
     threads = 128 * (block_v // 64)
 
     @T.prim_func
@@ -55,6 +60,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
         scale: T.float32,
         o: T.Tensor((tokens, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        h: T.Tensor((stored_chunks, num_v_heads, head_k, head_v), dtype),
+        v_new: T.Tensor((stored_tokens, num_v_heads, head_v), dtype),
     ):
         # Sequences on grid x (up to 2^31 - 1): many short sequences never hit the 65535 limit of y/z.
         with T.Kernel(num_seqs, T.ceildiv(head_v, block_v), num_v_heads, threads=threads) as (seq, vb, head):
@@ -106,6 +113,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
+                if store_states:  # saved for the backward (chunk start states)
+                    T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
 
                 # State-independent: P, then Q_g = scale D Q and K_g = diag(e^(gamma_C - gamma)) K
@@ -131,6 +140,10 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                     vn_s[i, j] = T.if_then_else(
                         i < length, T.cast(T.cast(u_tile[i, j], ACCUM) - vn[i, j], dtype), T.cast(0, dtype)
                     )
+                if store_states:
+                    for i, j in T.Parallel(CHUNK, block_v):
+                        if i < length:
+                            v_new[start + i, head, v0 + j] = vn_s[i, j]
 
                 # O = Q_g S + P V_new.
                 T.gemm(q_tile, state_s, out, clear_accum=True)

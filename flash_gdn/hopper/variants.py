@@ -10,6 +10,7 @@ import itertools
 
 from .chunk_states import build_chunk_states
 from .kkt_solve import build_kkt_solve
+from .local_dv import build_local_dv
 from .prepare_wu import build_prepare_wu
 from .qk_grads import build_qk_grads
 from .segment_state import build_segment_state
@@ -33,20 +34,24 @@ def kernel_builders(head_dim: int, dtype: str):
     builders += [(f"prepare_wu[{dtype},{gd}]", lambda gd=gd: build_prepare_wu(d, d, dtype, gd))
                  for gd in gate_dtypes]
     builders.append((f"segment_state[{dtype}]", lambda: build_segment_state(d, d, dtype)))
-    builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
-                 for h0 in (False, True)]
+    builders += [(f"state_output[{dtype},h0={h0},store={store}]",
+                  lambda h0=h0, store=store: build_state_output(d, d, dtype, h0, d, store))
+                 for h0, store in itertools.product((False, True), (False, True))]
     return builders
 
 
 def backward_kernel_builders(head_dim: int, dtype: str):
-    """The backward stages written so far (issue 4; not behind the API yet)."""
+    """The backward's kernels (the sequential stages in both column splits of ``state_block_v``)."""
     d = head_dim
-    builders = [(f"chunk_states[{dtype},h0={h0}]", lambda h0=h0: build_chunk_states(d, d, dtype, h0))
-                for h0 in (False, True)]
-    builders += [(f"state_grads[{dtype},dht={dht}]", lambda dht=dht: build_state_grads(d, d, dtype, dht))
-                 for dht in (False, True)]
+    blocks = sorted({d, 64})
+    builders = [(f"chunk_states[{dtype},h0={h0},bv={bv}]", lambda h0=h0, bv=bv: build_chunk_states(d, d, dtype, h0, bv))
+                for h0, bv in itertools.product((False, True), blocks)]
+    builders += [(f"state_grads[{dtype},dht={dht},bv={bv}]",
+                  lambda dht=dht, bv=bv: build_state_grads(d, d, dtype, dht, bv))
+                 for dht, bv in itertools.product((False, True), blocks)]
     builders += [(f"wy_grads[{dtype},{gd}]", lambda gd=gd: build_wy_grads(d, d, dtype, gd))
                  for gd in sorted({"float32", dtype})]
+    builders.append((f"local_dv[{dtype}]", lambda: build_local_dv(d, d, dtype)))
     builders.append((f"qk_grads[{dtype}]", lambda: build_qk_grads(d, d, dtype)))
     return builders
 

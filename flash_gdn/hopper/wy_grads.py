@@ -1,7 +1,6 @@
 """Backward stage 3a (chunk-parallel): the gradients that flow through U = A_u V and W = A_w K.
 
-Not wired into the API yet (issue 4 in progress); the spec is
-``reference.chunked_backward.chunk_grads_wy``. One CTA per (chunk, value head), from k, v,
+The spec is ``reference.chunked_backward.chunk_grads_wy``. One CTA per (chunk, value head), from k, v,
 beta, gamma, the state at the chunk's start h and dV_new (stages 1 and 2):
 
     dW = -dV_new S^T,  dV = A_u^T dV_new,  dA_u = dV_new V^T,  dA_w = dW K^T  (lower incl. diag)
@@ -29,7 +28,7 @@ def build_wy_grads(head_k: int, head_v: int, dtype: str, gate_dtype: str):
 
 
 @tilelang.jit
-def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
+def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")

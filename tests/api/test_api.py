@@ -80,3 +80,29 @@ def test_dispatch_logs_path_once(caplog, monkeypatch):
         chunk_gated_delta_rule(**inputs)
     lines = [r.getMessage() for r in caplog.records if r.name == "flash_gdn"]
     assert len(lines) == 1 and "portable" in lines[0]
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_gradcheck_portable_autograd(l2):
+    """Finite differences through the whole autograd path (portable: fp64 inputs on the CPU),
+    ragged varlen with a chunk boundary crossed, initial and final state."""
+    inputs = make_inputs(seq_len=70, hqk=1, hv=2, dk=4, dv=4, initial_state=True, num_seqs=3, seed=11)
+    cu = random_cu_seqlens([3, 66, 1])
+    names = list(inputs)
+
+    def fn(*tensors):
+        o, s = chunk_gated_delta_rule(**dict(zip(names, tensors)), output_final_state=True, cu_seqlens=cu,
+                                      use_qk_l2norm_in_kernel=l2)
+        return o, s
+
+    leaves = [inputs[n].clone().requires_grad_(True) for n in names]
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def test_save_chunk_states_is_a_bool_and_a_no_op_on_the_portable_path():
+    inputs = make_inputs(seq_len=40, initial_state=True, seed=5, requires_grad=True)
+    with pytest.raises(TypeError, match="save_chunk_states"):
+        chunk_gated_delta_rule(**inputs, save_chunk_states=1)
+    o1, _ = chunk_gated_delta_rule(**inputs)
+    o2, _ = chunk_gated_delta_rule(**inputs, save_chunk_states=True)
+    assert torch.equal(o1, o2)

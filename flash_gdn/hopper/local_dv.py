@@ -1,0 +1,80 @@
+"""Backward stage 1b (chunk-parallel): the part of dV_new that does not depend on the state.
+
+    dV_new = M^T dO + E K dS'          M = scale Gamma * tril(Q K^T)     (state_grads.py)
+
+M^T dO needs only the chunk's own q, k, dO and gates, so it is computed here for every
+(chunk, value head) at once and the sequential ``state_grads`` adds E K dS' to it: that
+takes the Q K^T product, the 64 x 64 element-wise mask and one product off the reverse
+recurrence's per-chunk critical path. q and k are normalised by their inverse norms; rows
+of M past the chunk's end are zero, so the next sequence's dO never enters. Stored in the
+input dtype (dV_new itself is stored in it too).
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import ACCUM, CHUNK
+
+
+@functools.lru_cache(maxsize=None)
+def build_local_dv(head_k: int, head_v: int, dtype: str):
+    return _local_dv_kernel(head_k, head_v, dtype)
+
+
+@tilelang.jit
+def _local_dv_kernel(head_k, head_v, dtype, threads=128):
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def local_dv(
+        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        do: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        bounds: T.Tensor((num_chunks, 2), "int32"),
+        scale: T.float32,
+        dv_local: T.Tensor((tokens, num_v_heads, head_v), dtype),
+    ):
+        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+            q_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            do_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            m_s = T.alloc_shared((CHUNK, CHUNK), dtype)
+            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            q_inv = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
+            qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+
+            qk_head = head // (num_v_heads // num_qk_heads)
+            start = bounds[chunk_id, 0]
+            length = bounds[chunk_id, 1] - start
+            if length > 0:
+                T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
+                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile)
+                T.copy(do[start:start + CHUNK, head, 0:head_v], do_tile)
+                T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
+                T.copy(q_norm_inv[qk_head, chunk_id, 0:CHUNK], q_inv)
+                T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
+                T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    m_s[i, j] = T.if_then_else(
+                        i >= j and i < length,
+                        T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * (scale * q_inv[i] * k_inv[j]), dtype),
+                        T.cast(0, dtype),
+                    )
+                T.gemm(m_s, do_tile, acc, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(CHUNK, head_v):
+                    if i < length:
+                        dv_local[start + i, head, j] = T.cast(acc[i, j], dtype)
+
+    return local_dv
