@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"mode": args.mode, "gpu": gpu, "date": datetime.date.today().isoformat(), "l2norm": args.l2norm,
             "save_chunk_states": args.save_states,
             **_versions()}
+    out = _results_dir(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = (f"{meta['date']}-{gpu.replace(' ', '_')}-{args.mode}{'-l2norm' if args.l2norm else ''}"
+            f"{'-saved' if args.save_states else ''}")
     records = []
     for i, row in enumerate(rows, 1):
         start = time.perf_counter()
@@ -242,14 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(rows)}] {row.key}: ours {record['ours_ms']:.3f} ms, FLA {_fmt(record['fla_ms'])} ms, "
               f"speedup {_fmt(record['speedup_vs_fla'], '.2f')} (target {row.target_speedup_vs_fla:.2f}) "
               f"[{time.perf_counter() - start:.1f} s]", file=sys.stderr, flush=True)
-
-    out = _results_dir(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = (f"{meta['date']}-{gpu.replace(' ', '_')}-{args.mode}{'-l2norm' if args.l2norm else ''}"
-            f"{'-saved' if args.save_states else ''}")
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    table = markdown_table(records, meta)
-    (out / f"{stem}.md").write_text(table)
+        # Written after every row, so a run cut short still leaves its results.
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+        table = markdown_table(records, meta)
+        (out / f"{stem}.md").write_text(table)
     print(table)
     print(f"wrote {out / stem}.json and .md")
     return 0

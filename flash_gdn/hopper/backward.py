@@ -34,11 +34,14 @@ def state_block_v(head_v: int, num_seqs: int, num_v_heads: int, device: torch.de
 
 
 def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens,
-                    saved: dict | None = None):
+                    saved: dict | None = None, intermediates: bool = True):
     """Intermediates of the backward as a dict of device tensors (shapes in
     ``reference.chunked_backward.chunked_backward(intermediates=True)``; states in the
     ``[.., K, V]`` layout). ``saved``: the forward's ``extras``; when it holds the chunk
-    states (``save_chunk_states``), prepare_wu and chunk_states are skipped."""
+    states (``save_chunk_states``), prepare_wu and chunk_states are skipped. Without
+    ``intermediates`` each buffer is dropped once its last reader has been launched (U, W,
+    M^T dO, dV_new: 1 KiB per token and value head at K = V = 128 off the peak) and only the
+    gradients come back."""
     batch, seq_len = problem.batch, problem.seq_len
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
@@ -47,6 +50,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2)
     qf, kf, vf, bf, w, u, gamma = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.u, prep.gamma
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
+    del prep
     num_chunks = plan.chunk_bounds.shape[0]
     dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
 
@@ -62,6 +66,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         build_chunk_states(dk, dv, tl_dtype, h0 is not None, block_v)(
             kf, w, u, gamma, k_norm_inv, plan.seq_info, dh0 if h0 is None else h0, h, v_new
         )
+    del u
 
     dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     build_local_dv(dk, dv, tl_dtype)(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, problem.scale,
@@ -73,6 +78,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, plan.seq_info, dh0 if dht32 is None else dht32,
         problem.scale, dh, dv_new, dh0,
     )
+    del w, dv_local
 
     dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     dk_wy = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
@@ -81,6 +87,8 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[bf.dtype])(
         kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy
     )
+    if not intermediates:
+        dv_new = None
 
     hqk = problem.num_qk_heads
     dq = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
@@ -90,11 +98,14 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         qf, kf, dof, v_new, h, dh, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, dk_wy, dgamma_wy,
         problem.scale, int(use_l2), dq, dk_out, dg,
     )
-    return dict(h=h, v_new=v_new.view(batch, seq_len, hv, dv), dh=dh, dv_new=dv_new.view(batch, seq_len, hv, dv),
-                dh0_all=dh0, chunk_bounds=plan.chunk_bounds, dv=dv_out.view(batch, seq_len, hv, dv),
-                dk_wy=dk_wy.view(batch, seq_len, hv, dk), dbeta=dbeta.view(batch, seq_len, hv),
-                dgamma_wy_chunks=dgamma_wy, dq=dq.view(batch, seq_len, hqk, dk),
-                dk=dk_out.view(batch, seq_len, hqk, dk), dg=dg.view(batch, seq_len, hv))
+    grads = dict(dh0_all=dh0, dv=dv_out.view(batch, seq_len, hv, dv), dbeta=dbeta.view(batch, seq_len, hv),
+                 dq=dq.view(batch, seq_len, hqk, dk), dk=dk_out.view(batch, seq_len, hqk, dk),
+                 dg=dg.view(batch, seq_len, hv))
+    if intermediates:
+        grads.update(h=h, v_new=v_new.view(batch, seq_len, hv, dv), dh=dh, dv_new=dv_new.view(batch, seq_len, hv, dv),
+                     chunk_bounds=plan.chunk_bounds, dk_wy=dk_wy.view(batch, seq_len, hv, dk),
+                     dgamma_wy_chunks=dgamma_wy)
+    return grads
 
 
 def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first,
@@ -105,7 +116,7 @@ def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
     if dht is not None and state_v_first:
         dht = dht.transpose(-1, -2)
-    out = backward_stages(q, k, v, g, beta, do, dht, problem, h0, use_l2, cu_seqlens, saved)
+    out = backward_stages(q, k, v, g, beta, do, dht, problem, h0, use_l2, cu_seqlens, saved, intermediates=False)
     dh0 = None
     if initial_state is not None:
         dh0 = out["dh0_all"].transpose(-1, -2) if state_v_first else out["dh0_all"]
