@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [BUNDLE_DIR] [-- extra args for python -m flash_gdn.bench]
 # BUNDLE_DIR (default .gpu) holds the offline bundle of scripts/make_gpu_bundle.sh:
 # site-py312-tilelang0.1.15.tar.xz and fla_core-0.6.0-py3-none-any.whl.
-# Env: BENCH_MODES (default "fwd"; empty: tests only), PYTEST_ARGS (extra pytest args), OUT (copy results there).
+# Env: BENCH_MODES (default "fwd bwd train"; empty: tests only), PYTEST_ARGS (extra pytest args), OUT (copy results there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle=${1:-.gpu}
@@ -21,9 +21,15 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -m pytest -q -m "gpu" tests ${PYTEST_ARGS:-} 2>&1 | tee /tmp/gpu_tests.log
 test_rc=${PIPESTATUS[0]}
 
-for mode in ${BENCH_MODES-fwd}; do   # BENCH_MODES="" runs the tests only
+for mode in ${BENCH_MODES-fwd bwd train}; do   # BENCH_MODES="" runs the tests only
   python3 -m flash_gdn.bench --mode "$mode" "$@" 2>&1 | tee "/tmp/bench_$mode.log"
 done
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*.json benchmarks/results/*.md "$OUT"/ 2>/dev/null; fi
-echo "== GPU tests: $(tail -n 1 /tmp/gpu_tests.log)"
+echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1))"
+echo "| what | result |"
+echo "|---|---|"
+echo "| GPU tests | $(tail -n 1 /tmp/gpu_tests.log | tr -d '=') |"
+for mode in ${BENCH_MODES-fwd bwd train}; do
+  echo "| bench $mode | $(grep -h 'Geometric-mean' "/tmp/bench_$mode.log" 2>/dev/null | tail -n 1) |"
+done
 exit $test_rc
