@@ -23,8 +23,9 @@ class ForwardSaved:
     """What ``chunk_gated_delta_rule_fwd`` hands to ``chunk_gated_delta_rule_bwd``.
 
     Holds the forward's inputs (not copies) and its options. ``path`` names the
-    implementation that ran the forward ("hopper" or "portable"); ``extras`` holds
-    kernel intermediates a backward may reuse (empty on the portable path).
+    implementation that ran the forward ("hopper" or "portable"); ``extras`` holds the
+    kernel intermediates the backward reuses (empty unless ``save_chunk_states`` on the
+    Hopper path).
     """
 
     q: torch.Tensor

@@ -34,14 +34,14 @@ def state_block_v(head_v: int, num_seqs: int, num_v_heads: int, device: torch.de
 
 
 def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens,
-                    saved: dict | None = None, intermediates: bool = True):
+                    saved: dict | None = None, intermediates: bool = False):
     """Intermediates of the backward as a dict of device tensors (shapes in
     ``reference.chunked_backward.chunked_backward(intermediates=True)``; states in the
     ``[.., K, V]`` layout). ``saved``: the forward's ``extras``; when it holds the chunk
-    states (``save_chunk_states``), prepare_wu and chunk_states are skipped. Without
-    ``intermediates`` each buffer is dropped once its last reader has been launched (U, W,
-    M^T dO, dV_new: 1 KiB per token and value head at K = V = 128 off the peak) and only the
-    gradients come back."""
+    states (``save_chunk_states``), prepare_wu and chunk_states are skipped. With
+    ``intermediates`` (tests) every stage's outputs come back too; without, each buffer is
+    dropped once its last reader has been launched (U, W, M^T dO, dV_new: 1 KiB per token
+    and value head at K = V = 128 off the peak) and only the gradients come back."""
     batch, seq_len = problem.batch, problem.seq_len
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
@@ -116,7 +116,7 @@ def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
     if dht is not None and state_v_first:
         dht = dht.transpose(-1, -2)
-    out = backward_stages(q, k, v, g, beta, do, dht, problem, h0, use_l2, cu_seqlens, saved, intermediates=False)
+    out = backward_stages(q, k, v, g, beta, do, dht, problem, h0, use_l2, cu_seqlens, saved)
     dh0 = None
     if initial_state is not None:
         dh0 = out["dh0_all"].transpose(-1, -2) if state_v_first else out["dh0_all"]

@@ -76,8 +76,6 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
     else:
         final_state = None
-    extras = {"gamma_chunks": gamma}
-    if save_states:
-        extras.update(prepared=prep._replace(u=None), h=h, v_new=v_new)
+    extras = dict(prepared=prep._replace(u=None), h=h, v_new=v_new) if save_states else {}
     return o.view(batch, seq_len, hv, dv), final_state, extras
 

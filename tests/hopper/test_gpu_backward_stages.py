@@ -35,7 +35,7 @@ def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero
     cu = random_cu_seqlens(lengths, device=dev, dtype=torch.int32)
     problem = check_inputs(q, k, v, g, beta, None, init, cu, False)
     with poisoned():
-        got = backward_stages(q, k, v, g, beta, do, dfinal, problem, init, l2, cu)
+        got = backward_stages(q, k, v, g, beta, do, dfinal, problem, init, l2, cu, intermediates=True)
     grads, ref = chunked_backward(q, k, v, g, beta, do, dht=dfinal, initial_state=init, cu_seqlens=cu.cpu(),
                                   use_qk_l2norm_in_kernel=l2, intermediates=True)
     ref.update(dv=grads[2], dbeta=grads[4])
