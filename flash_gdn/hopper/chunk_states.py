@@ -51,7 +51,7 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
             u_tile = T.alloc_shared((CHUNK, block_v), dtype)
             state_s = T.alloc_shared((head_k, block_v), dtype)
-            vn_s = T.alloc_shared((CHUNK, block_v), dtype)
+            vnk_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
@@ -65,7 +65,11 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             gamma_last = T.alloc_var(ACCUM)
             decay = T.alloc_var(ACCUM)
             qk_head = T.alloc_var("int32")
+            sink = T.alloc_var(dtype)
 
+            # The TMA producer warp group needs few registers; the consumers hold S and V_new.
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(240)
             qk_head = head // (num_v_heads // num_qk_heads)
             v0 = v_block * block_v
             seq_start = seq_info[seq, 0]
@@ -86,24 +90,32 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
+                # W S runs on the tensor cores while the start state goes out and the row
+                # factors are formed.
+                T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
                 T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
                 for i in T.Parallel(CHUNK):
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
+                T.wait_wgmma(0)
+                if length < 0:  # never: a read after the wait, so w_tile goes back to the producer only now
+                    sink = w_tile[0, 0]
 
-                T.gemm(w_tile, state_s, vn, clear_accum=True)
+                # V_new = U - W S (zero past the end). The state update's row weights go on a
+                # second copy, K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new), so the K
+                # tile is used as loaded.
                 for i, j in T.Parallel(CHUNK, block_v):
-                    vn_s[i, j] = T.if_then_else(
-                        i < length, T.cast(T.cast(u_tile[i, j], ACCUM) - vn[i, j], dtype), T.cast(0, dtype)
-                    )
-                for i, j in T.Parallel(CHUNK, block_v):
-                    if i < length:
-                        v_new[start + i, head, v0 + j] = vn_s[i, j]
-                for i, d in T.Parallel(CHUNK, head_k):
-                    k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
+                    vn[i, j] = T.if_then_else(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
+                    vnk_s[i, j] = T.cast(vn[i, j] * k_scale[i], dtype)
                 for i, j in T.Parallel(head_k, block_v):
                     state[i, j] = state[i, j] * decay
-                T.gemm(k_tile, vn_s, state, transpose_A=True)
+                T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
+                for i, j in T.Parallel(CHUNK, block_v):  # stored while the state update runs
+                    if i < length:
+                        v_new[start + i, head, v0 + j] = T.cast(vn[i, j], dtype)
+                T.wait_wgmma(0)
+                if length < 0:  # never: same for k_tile
+                    sink = k_tile[0, 0]
 
     return chunk_states

@@ -92,12 +92,13 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
                 decay = T.__exp(gamma_last)
 
                 T.gemm(w_tile, state_s, vn, clear_accum=True)
+                # K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new): the row weights go on V_new
+                # (a register fragment), not on a scaled copy of the K tile.
                 for i, j in T.Parallel(CHUNK, BLOCK_COLS):
                     vn_s[i, j] = T.cast(
-                        T.if_then_else(cb < h_blocks, T.cast(u_tile[i, j], ACCUM), T.cast(0, ACCUM)) - vn[i, j], dtype
+                        (T.if_then_else(cb < h_blocks, T.cast(u_tile[i, j], ACCUM), T.cast(0, ACCUM)) - vn[i, j]) * k_scale[i],
+                        dtype,
                     )
-                for i, d in T.Parallel(CHUNK, head_k):
-                    k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
                 for i, j in T.Parallel(head_k, BLOCK_COLS):
                     state[i, j] = state[i, j] * decay
                 T.gemm(k_tile, vn_s, state, transpose_A=True)

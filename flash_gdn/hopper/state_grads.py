@@ -9,7 +9,10 @@ the state at the current chunk's end) in fp32 registers, chunks from last to fir
     dS        = e^gamma_C dS' + (scale D Q)^T dO - W^T dV_new
 
 M^T dO comes precomputed from the chunk-parallel ``local_dv`` kernel, so each chunk's
-critical path holds three products (E K dS', (D Q)^T dO, W^T dV_new).
+critical path holds three products (E K dS', (D Q)^T dO, W^T dV_new). Row factors go where
+they are cheapest: E on the rows of the K dS' accumulator, scale D on the rows of the dO tile
+(block_v wide, not K). K dS' is issued asynchronously before dh is stored; the two dS
+products are issued back to back and dV_new is stored while they run.
 
 dS starts at dht (the final state's gradient) or 0 and ends as dh0. Rows past the
 sequence's end are masked out of M, D and E, so the next sequence's dO never leaks in.
@@ -63,7 +66,6 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
             do_tile = T.alloc_shared((CHUNK, block_v), dtype)
             ds_s = T.alloc_shared((head_k, block_v), dtype)
             dvl_tile = T.alloc_shared((CHUNK, block_v), dtype)
-            dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
             neg_dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
@@ -71,7 +73,7 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
             q_scale = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
             ds = T.alloc_fragment((head_k, block_v), ACCUM)
-            dvn = T.alloc_fragment((CHUNK, block_v), ACCUM)
+            kds = T.alloc_fragment((CHUNK, block_v), ACCUM)
             seq_start = T.alloc_var("int32")
             seq_end = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")
@@ -82,7 +84,11 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
             gamma_last = T.alloc_var(ACCUM)
             decay = T.alloc_var(ACCUM)
             qk_head = T.alloc_var("int32")
+            sink = T.alloc_var(dtype)
 
+            # The TMA producer warp group needs few registers; the consumers hold dS and dV_new.
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(240)
             qk_head = head // (num_v_heads // num_qk_heads)
             v0 = v_block * block_v
             seq_start = seq_info[seq, 0]
@@ -114,32 +120,41 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
                 start = seq_start + (num_seq_chunks - 1 - c) * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(ds, ds_s)
-                T.copy(ds_s, dh[chunk, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
+                decay = T.__exp(gamma_last)
+                for i, j in T.Parallel(head_k, block_v):  # before any product is in flight
+                    ds[i, j] = ds[i, j] * decay
+                # K dS' runs on the tensor cores while dh goes out and the row factors are formed.
+                T.wgmma_gemm(k_tile, ds_s, kds, clear_accum=True)
+                T.copy(ds_s, dh[chunk, head, 0:head_k, v0:v0 + block_v])
                 for i in T.Parallel(CHUNK):
                     q_scale[i] = T.if_then_else(i < length, T.__exp(gamma_s[i]) * scale * q_inv[i], T.cast(0, ACCUM))
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
-                decay = T.__exp(gamma_last)
 
-                for i, d in T.Parallel(CHUNK, head_k):
-                    q_tile[i, d] = T.cast(q_tile[i, d] * q_scale[i], dtype)
-                    k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
+                # (scale D Q)^T dO = Q^T (diag(q_scale) dO): the row factors go on the dO tile
+                # (block_v columns, not K), zero past the sequence's end.
+                for i, j in T.Parallel(CHUNK, block_v):
+                    do_tile[i, j] = T.cast(do_tile[i, j] * q_scale[i], dtype)
 
-                # dV_new = M^T dO (local_dv) + (E K) dS'.
-                T.copy(dvl_tile, dvn)
-                T.gemm(k_tile, ds_s, dvn)
+                # dV_new = M^T dO (local_dv) + diag(k_scale) (K dS')   (E K dS' with E on the rows).
+                T.wait_wgmma(0)
+                if length < 0:  # never: a read after the wait, so k_tile goes back to the producer only now
+                    sink = k_tile[0, 0]
                 for i, j in T.Parallel(CHUNK, block_v):
-                    dvn_s[i, j] = T.if_then_else(i < length, T.cast(dvn[i, j], dtype), T.cast(0, dtype))
-                    neg_dvn_s[i, j] = T.if_then_else(i < length, T.cast(-dvn[i, j], dtype), T.cast(0, dtype))
-                for i, j in T.Parallel(CHUNK, block_v):
+                    kds[i, j] = T.if_then_else(  # zero past the end: those rows are the next sequence's
+                        i < length, T.cast(dvl_tile[i, j], ACCUM) + kds[i, j] * k_scale[i], T.cast(0, ACCUM)
+                    )
+                    neg_dvn_s[i, j] = T.cast(-kds[i, j], dtype)
+                # dS = e^gamma_C dS' + Q^T (diag(q_scale) dO) - W^T dV_new, both products issued
+                # back to back on the same accumulator.
+                T.wgmma_gemm(q_tile, do_tile, ds, transpose_A=True)
+                T.wgmma_gemm(w_tile, neg_dvn_s, ds, transpose_A=True)
+                for i, j in T.Parallel(CHUNK, block_v):  # stored while the products run
                     if i < length:
-                        dv_new[start + i, head, v0 + j] = dvn_s[i, j]
-
-                # dS = e^gamma_C dS' + (scale D Q)^T dO - W^T dV_new.
-                for i, j in T.Parallel(head_k, block_v):
-                    ds[i, j] = ds[i, j] * decay
-                T.gemm(q_tile, do_tile, ds, transpose_A=True)
-                T.gemm(w_tile, neg_dvn_s, ds, transpose_A=True)
+                        dv_new[start + i, head, v0 + j] = T.cast(kds[i, j], dtype)
+                T.wait_wgmma(0)
+                if length < 0:  # never: same for the q, w and dO tiles
+                    sink = q_tile[0, 0] + w_tile[0, 0] + do_tile[0, 0]
 
             for i, j in T.Parallel(head_k, block_v):
                 dh0[seq, head, i, v0 + j] = ds[i, j]

@@ -8,10 +8,13 @@ Per chunk (DESIGN section 2, W and U from ``prepare_wu``):
     O     = (scale D Q) S + P V_new,        P = scale * Gamma * tril(Q K^T)
     S     = e^gamma_C S + (diag(e^(gamma_C - gamma)) K)^T V_new
 
-The decay weights are folded into copies of the Q and K tiles (Q_g, K_g) before the
-state-dependent products, so V_new is stored once, unscaled, and feeds both P V_new and
-the state update. Every exponent is <= 0. With the fused L2 norm, the inverse row norms of
-q and k (from ``prepare_wu``) are folded into the same row factors and into P.
+Q S and Q K^T are taken from the tiles as loaded; the decay and norm factors go on their
+accumulators' rows (diag(q_scale) (Q S), and P), and the state update's row weights go on a
+second copy of V_new: K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new). So no tile is
+rescaled in shared memory. The three products that need only S (W S, Q K^T, Q S) are issued
+together as asynchronous wgmma groups and waited for one by one; the O store overlaps the
+state update. Every exponent is <= 0. With the fused L2 norm, the inverse row norms of q and
+k (from ``prepare_wu``) are folded into the same row factors and into P.
 
 Rows past the end of a sequence's last chunk hold the next sequence's tokens (or zeros past
 the tensor): V_new and K_g are zeroed there, the causal mask keeps them out of P, and their
@@ -72,6 +75,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
             state_s = T.alloc_shared((head_k, block_v), dtype)
             p_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             vn_s = T.alloc_shared((CHUNK, block_v), dtype)
+            vnk_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_scale = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
@@ -89,7 +93,11 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
             gamma_last = T.alloc_var(ACCUM)
             decay = T.alloc_var(ACCUM)
             qk_head = T.alloc_var("int32")
+            sink = T.alloc_var(dtype)
             v0 = vb * block_v
+            # The TMA producer warp group needs few registers; the consumers hold S, V_new, O, QK^T.
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(240)
 
             qk_head = head // (num_v_heads // num_qk_heads)
 
@@ -117,45 +125,57 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
                     T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
 
-                # State-independent: P, then Q_g = scale D Q and K_g = diag(e^(gamma_C - gamma)) K
-                # in place of the Q and K tiles. gamma is per chunk (one aligned TMA box) and constant
-                # past the chunk's end.
-                # Row factors once per row (fast exp: every argument is <= 0).
+                # Issue the three products that need only S and the tiles, most urgent first
+                # (W S feeds V_new, which every later step needs); the tensor cores run them
+                # back to back while the row factors are formed. Q S and Q K^T are unscaled:
+                # the decay and norm factors are applied to their accumulators below.
+                T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
+                T.wgmma_gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(q_tile, state_s, out, clear_accum=True)
+                # Row factors (fast exp: every argument is <= 0; gamma is constant past the end).
                 for i in T.Parallel(CHUNK):
                     q_scale[i] = T.__exp(gamma_s[i]) * scale * q_inv[i]
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
-                T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+
+                # V_new = U - W S (zero past the end), stored twice: as is for P V_new, and with
+                # the state-update row weights, diag(e^(gamma_C - gamma)) V_new, so that
+                # K_g^T V_new = K^T (weighted V_new) needs no scaled copy of K.
+                T.wait_wgmma(2)
+                if length < 0:  # never: a read after the wait, so w_tile is released to the producer only now
+                    sink = w_tile[0, 0]
+                for i, j in T.Parallel(CHUNK, block_v):
+                    vn[i, j] = T.if_then_else(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
+                    vn_s[i, j] = T.cast(vn[i, j], dtype)
+                    vnk_s[i, j] = T.cast(vn[i, j] * k_scale[i], dtype)
+                if store_states:
+                    for i, j in T.Parallel(CHUNK, block_v):
+                        if i < length:
+                            v_new[start + i, head, v0 + j] = T.cast(vn[i, j], dtype)
+
+                # P = scale * Gamma * tril(Q K^T) with the norm factors.
+                T.wait_wgmma(1)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     p_s[i, j] = T.if_then_else(
                         i >= j, T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * (scale * q_inv[i] * k_inv[j]), dtype), T.cast(0, dtype)
                     )
-                for i, d in T.Parallel(CHUNK, head_k):
-                    q_tile[i, d] = T.cast(q_tile[i, d] * q_scale[i], dtype)
-                    k_tile[i, d] = T.cast(k_tile[i, d] * k_scale[i], dtype)
-
-                # V_new = U - W S (zero past the sequence's end).
-                T.gemm(w_tile, state_s, vn, clear_accum=True)
+                # O = diag(q_scale) (Q S) + P V_new;  S = e^gamma_C S + K^T (weighted V_new).
+                T.wait_wgmma(0)
+                if length < 0:  # never: q_tile is released only after the products reading it are done
+                    sink = q_tile[0, 0]
                 for i, j in T.Parallel(CHUNK, block_v):
-                    vn_s[i, j] = T.if_then_else(
-                        i < length, T.cast(T.cast(u_tile[i, j], ACCUM) - vn[i, j], dtype), T.cast(0, dtype)
-                    )
-                if store_states:
-                    for i, j in T.Parallel(CHUNK, block_v):
-                        if i < length:
-                            v_new[start + i, head, v0 + j] = vn_s[i, j]
-
-                # O = Q_g S + P V_new.
-                T.gemm(q_tile, state_s, out, clear_accum=True)
-                T.gemm(p_s, vn_s, out)
+                    out[i, j] = out[i, j] * q_scale[i]
+                for i, j in T.Parallel(head_k, block_v):
+                    state[i, j] = state[i, j] * decay
+                T.wgmma_gemm(p_s, vn_s, out)
+                T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
+                T.wait_wgmma(1)  # the O store overlaps the state update
                 for i, j in T.Parallel(CHUNK, block_v):
                     if i < length:
                         o[start + i, head, v0 + j] = T.cast(out[i, j], dtype)
-
-                # S = e^gamma_C S + K_g^T V_new.
-                for i, j in T.Parallel(head_k, block_v):
-                    state[i, j] = state[i, j] * decay
-                T.gemm(k_tile, vn_s, state, transpose_A=True)
+                T.wait_wgmma(0)
+                if length < 0:  # never: same for k_tile
+                    sink = k_tile[0, 0]
 
             for i, j in T.Parallel(head_k, block_v):
                 final_state[seq, head, i, v0 + j] = state[i, j]

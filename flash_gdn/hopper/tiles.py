@@ -1,4 +1,12 @@
-"""TileLang building blocks shared by the Hopper kernels (chunk size C = 64)."""
+"""TileLang building blocks shared by the Hopper kernels (chunk size C = 64).
+
+Asynchronous products in pipelined loops: ``T.wgmma_gemm`` issues a wgmma group and returns;
+``T.wait_wgmma(n)`` waits until at most n groups are in flight. TileLang's warp-specialised
+pipeline hands a TMA buffer back to its producer right after the last statement that
+accesses it, and an issued (not finished) product counts as that access. So each kernel
+that reads a pipelined tile asynchronously reads one element of it again in a branch that
+never runs (``if length < 0``), placed after the wait: the hand-back moves behind the wait.
+"""
 
 import tilelang.language as T
 import torch
