@@ -51,6 +51,7 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
             u_tile = T.alloc_shared((CHUNK, block_v), dtype)
             state_s = T.alloc_shared((head_k, block_v), dtype)
+            vn_s = T.alloc_shared((CHUNK, block_v), dtype)
             vnk_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
@@ -105,15 +106,25 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 # V_new = U - W S (zero past the end). The state update's row weights go on a
                 # second copy, K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new), so the K
                 # tile is used as loaded.
+                # Element-wise work in registers (branch-free select), fragments to shared
+                # memory whole (stmatrix).
                 for i, j in T.Parallel(CHUNK, block_v):
-                    vn[i, j] = T.if_then_else(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
-                    vnk_s[i, j] = T.cast(vn[i, j] * k_scale[i], dtype)
+                    vn[i, j] = T.Select(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
+                T.copy(vn, vn_s)
+                for i, j in T.Parallel(CHUNK, block_v):
+                    vn[i, j] = vn[i, j] * k_scale[i]
+                T.copy(vn, vnk_s)
                 for i, j in T.Parallel(head_k, block_v):
                     state[i, j] = state[i, j] * decay
                 T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
-                for i, j in T.Parallel(CHUNK, block_v):  # stored while the state update runs
-                    if i < length:
-                        v_new[start + i, head, v0 + j] = T.cast(vn[i, j], dtype)
+                # V_new goes out while the state update runs: a whole chunk by one TMA store; a
+                # sequence's last, partial chunk row by row (the rows after it are another sequence's).
+                if length == CHUNK:
+                    T.copy(vn_s, v_new[start:start + CHUNK, head, v0:v0 + block_v])
+                else:
+                    for i, j in T.Parallel(CHUNK, block_v):
+                        if i < length:
+                            v_new[start + i, head, v0 + j] = vn_s[i, j]
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]

@@ -66,6 +66,7 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
             do_tile = T.alloc_shared((CHUNK, block_v), dtype)
             ds_s = T.alloc_shared((head_k, block_v), dtype)
             dvl_tile = T.alloc_shared((CHUNK, block_v), dtype)
+            dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
             neg_dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
@@ -140,18 +141,24 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
                 T.wait_wgmma(0)
                 if length < 0:  # never: a read after the wait, so k_tile goes back to the producer only now
                     sink = k_tile[0, 0]
+                for i, j in T.Parallel(CHUNK, block_v):  # zero past the end: those rows are the next sequence's
+                    kds[i, j] = T.Select(i < length, T.cast(dvl_tile[i, j], ACCUM) + kds[i, j] * k_scale[i], T.cast(0, ACCUM))
+                T.copy(kds, dvn_s)
                 for i, j in T.Parallel(CHUNK, block_v):
-                    kds[i, j] = T.if_then_else(  # zero past the end: those rows are the next sequence's
-                        i < length, T.cast(dvl_tile[i, j], ACCUM) + kds[i, j] * k_scale[i], T.cast(0, ACCUM)
-                    )
-                    neg_dvn_s[i, j] = T.cast(-kds[i, j], dtype)
+                    kds[i, j] = -kds[i, j]
+                T.copy(kds, neg_dvn_s)
                 # dS = e^gamma_C dS' + Q^T (diag(q_scale) dO) - W^T dV_new, both products issued
                 # back to back on the same accumulator.
                 T.wgmma_gemm(q_tile, do_tile, ds, transpose_A=True)
                 T.wgmma_gemm(w_tile, neg_dvn_s, ds, transpose_A=True)
-                for i, j in T.Parallel(CHUNK, block_v):  # stored while the products run
-                    if i < length:
-                        dv_new[start + i, head, v0 + j] = T.cast(kds[i, j], dtype)
+                # dV_new goes out while the products run: a whole chunk by one TMA store, a
+                # sequence's last, partial chunk row by row.
+                if length == CHUNK:
+                    T.copy(dvn_s, dv_new[start:start + CHUNK, head, v0:v0 + block_v])
+                else:
+                    for i, j in T.Parallel(CHUNK, block_v):
+                        if i < length:
+                            dv_new[start + i, head, v0 + j] = dvn_s[i, j]
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for the q, w and dO tiles
                     sink = q_tile[0, 0] + w_tile[0, 0] + do_tile[0, 0]

@@ -76,11 +76,13 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
             p_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             vn_s = T.alloc_shared((CHUNK, block_v), dtype)
             vnk_s = T.alloc_shared((CHUNK, block_v), dtype)
+            o_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_scale = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
+            q_row = T.alloc_shared((CHUNK,), ACCUM)
             state = T.alloc_fragment((head_k, block_v), ACCUM)
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             vn = T.alloc_fragment((CHUNK, block_v), ACCUM)
@@ -135,6 +137,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
                 # Row factors (fast exp: every argument is <= 0; gamma is constant past the end).
                 for i in T.Parallel(CHUNK):
                     q_scale[i] = T.__exp(gamma_s[i]) * scale * q_inv[i]
+                    q_row[i] = scale * q_inv[i]
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
 
@@ -144,21 +147,30 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
                 T.wait_wgmma(2)
                 if length < 0:  # never: a read after the wait, so w_tile is released to the producer only now
                     sink = w_tile[0, 0]
+                # Element-wise work stays in registers (branch-free selects); fragments go to
+                # shared memory whole (stmatrix), not element by element.
                 for i, j in T.Parallel(CHUNK, block_v):
-                    vn[i, j] = T.if_then_else(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
-                    vn_s[i, j] = T.cast(vn[i, j], dtype)
-                    vnk_s[i, j] = T.cast(vn[i, j] * k_scale[i], dtype)
-                if store_states:
-                    for i, j in T.Parallel(CHUNK, block_v):
-                        if i < length:
-                            v_new[start + i, head, v0 + j] = T.cast(vn[i, j], dtype)
+                    vn[i, j] = T.Select(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
+                T.copy(vn, vn_s)
+                if store_states:  # whole chunks by TMA, a partial last chunk row by row
+                    if length == CHUNK:
+                        T.copy(vn_s, v_new[start:start + CHUNK, head, v0:v0 + block_v])
+                    else:
+                        for i, j in T.Parallel(CHUNK, block_v):
+                            if i < length:
+                                v_new[start + i, head, v0 + j] = vn_s[i, j]
+                for i, j in T.Parallel(CHUNK, block_v):
+                    vn[i, j] = vn[i, j] * k_scale[i]
+                T.copy(vn, vnk_s)
 
                 # P = scale * Gamma * tril(Q K^T) with the norm factors.
                 T.wait_wgmma(1)
+                # (Above the diagonal the exponent is > 0 and may overflow; the select drops it.)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    p_s[i, j] = T.if_then_else(
-                        i >= j, T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * (scale * q_inv[i] * k_inv[j]), dtype), T.cast(0, dtype)
+                    qk[i, j] = T.Select(
+                        i >= j, qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * q_row[i] * k_inv[j], T.cast(0, ACCUM)
                     )
+                T.copy(qk, p_s)
                 # O = diag(q_scale) (Q S) + P V_new;  S = e^gamma_C S + K^T (weighted V_new).
                 T.wait_wgmma(0)
                 if length < 0:  # never: q_tile is released only after the products reading it are done
@@ -170,9 +182,13 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
                 T.wgmma_gemm(p_s, vn_s, out)
                 T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
                 T.wait_wgmma(1)  # the O store overlaps the state update
-                for i, j in T.Parallel(CHUNK, block_v):
-                    if i < length:
-                        o[start + i, head, v0 + j] = T.cast(out[i, j], dtype)
+                T.copy(out, o_s)
+                if length == CHUNK:  # a whole chunk: one TMA store
+                    T.copy(o_s, o[start:start + CHUNK, head, v0:v0 + block_v])
+                else:  # a sequence's last, partial chunk: the rows after it are another sequence's
+                    for i, j in T.Parallel(CHUNK, block_v):
+                        if i < length:
+                            o[start + i, head, v0 + j] = o_s[i, j]
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
