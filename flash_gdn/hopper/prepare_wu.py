@@ -85,23 +85,27 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
             g_r = T.alloc_var(ACCUM)
             writes_norms = T.alloc_var("int32")
             tx = T.get_thread_binding()
+            k_ready = T.alloc_barrier(threads)
+            v_ready = T.alloc_barrier(threads)
 
             qk_head = head // (num_v_heads // num_qk_heads)
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
-                # Rows past the chunk's end hold the next sequence's tokens (or zeros past the
-                # tensor): beta = 0 there makes their rows and columns of A_g vanish.
-                # beta and g go to registers first (their loads in flight with the K and V
-                # tiles') and to shared memory after K K^T.
+                # K and V tiles by TMA (rows past the tensor come back as zeros), in flight while
+                # beta and g are loaded. Rows past the chunk's end hold the next sequence's tokens:
+                # beta = 0 there makes their rows and columns of A_g vanish.
+                T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
+                T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
+                T.barrier_arrive(k_ready)
+                T.barrier_arrive(v_ready)
                 beta_r = T.cast(0, ACCUM)
                 g_r = T.cast(0, ACCUM)
                 if tx < length:
                     beta_r = T.cast(beta[start + tx, head], ACCUM)
                     g_r = T.cast(g[start + tx, head], ACCUM)
-                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile)
-                T.copy(v[start:start + CHUNK, head, 0:head_v], v_tile)
+                T.mbarrier_wait_parity(k_ready, 0)
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 if tx < CHUNK:
                     beta_s[tx] = beta_r
@@ -110,26 +114,38 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i == j:
                         k_inv[i] = T.if_then_else(normalize != 0, 1 / T.sqrt(kkt[i, j] + 1e-6), T.cast(1, ACCUM))
+                # Element-wise work in registers (branch-free selects), fragments to shared memory whole.
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[j], T.cast(0, ACCUM))
+                    kkt[i, j] = T.Select(i > j, beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[j], T.cast(0, ACCUM))
+                T.copy(kkt, lower)
                 blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
 
+                # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
+                # lower triangles (above the diagonal e^(gamma_i - gamma_j) may overflow; the select drops it).
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    a_u[i, j] = T.if_then_else(
-                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], dtype), T.cast(0, dtype)
-                    )
-                    a_w[i, j] = T.if_then_else(
-                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j] * k_inv[j], dtype), T.cast(0, dtype)
-                    )
-                T.gemm(a_u, v_tile, u_acc, clear_accum=True)
-                T.gemm(a_w, k_tile, w_acc, clear_accum=True)
+                    kkt[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j] * k_inv[j], T.cast(0, ACCUM))
+                T.copy(kkt, a_w)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    inv[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], T.cast(0, ACCUM))
+                T.copy(inv, a_u)
 
-                for i, d in T.Parallel(CHUNK, head_v):
-                    if i < length:
-                        u[start + i, head, d] = T.cast(u_acc[i, d], dtype)
-                for i, d in T.Parallel(CHUNK, head_k):
-                    if i < length:
-                        w[start + i, head, d] = T.cast(w_acc[i, d], dtype)
+                # W, then U, each staged in the tile it was made from (free once its product is
+                # done) and stored whole by TMA; a sequence's partial last chunk row by row.
+                T.gemm(a_w, k_tile, w_acc, clear_accum=True)
+                T.copy(w_acc, k_tile)
+                T.mbarrier_wait_parity(v_ready, 0)
+                T.gemm(a_u, v_tile, u_acc, clear_accum=True)
+                T.copy(u_acc, v_tile)
+                if length == CHUNK:
+                    T.copy(k_tile, w[start:start + CHUNK, head, 0:head_k])
+                    T.copy(v_tile, u[start:start + CHUNK, head, 0:head_v])
+                else:
+                    for i, d in T.Parallel(CHUNK, head_k):
+                        if i < length:
+                            w[start + i, head, d] = k_tile[i, d]
+                    for i, d in T.Parallel(CHUNK, head_v):
+                        if i < length:
+                            u[start + i, head, d] = v_tile[i, d]
                 for i in T.Parallel(CHUNK):
                     gamma[head, chunk_id, i] = gamma_s[i]  # = gamma_C past the chunk's end
 

@@ -66,6 +66,7 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
             length = T.alloc_var("int32")
             gamma_last = T.alloc_var(ACCUM)
             decay = T.alloc_var(ACCUM)
+            sink = T.alloc_var(dtype)
             # The M part loads a U tile it never uses (weight 0): one branch-free pipeline.
             u_col = T.min(cb, h_blocks - 1) * BLOCK_COLS
             m_col = (cb - h_blocks) * BLOCK_COLS
@@ -87,21 +88,31 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
                 length = T.min(seg_end - start, CHUNK)
                 T.copy(state, state_s)
                 gamma_last = gamma_s[length - 1]
+                decay = T.__exp(gamma_last)
+                for i, j in T.Parallel(head_k, BLOCK_COLS):  # before any product is in flight
+                    state[i, j] = state[i, j] * decay
+                # W S runs on the tensor cores while the row factors are formed.
+                T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
                 for i in T.Parallel(CHUNK):
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
-                decay = T.__exp(gamma_last)
+                T.wait_wgmma(0)
+                if length < 0:  # never: a read after the wait, so w_tile goes back to the producer only now
+                    sink = w_tile[0, 0]
 
-                T.gemm(w_tile, state_s, vn, clear_accum=True)
                 # K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new): the row weights go on V_new
-                # (a register fragment), not on a scaled copy of the K tile.
+                # (a register fragment), not on a scaled copy of the K tile. The select (not a
+                # product with 0) also keeps whatever lies past the segment's end out.
                 for i, j in T.Parallel(CHUNK, BLOCK_COLS):
-                    vn_s[i, j] = T.cast(
+                    vn[i, j] = T.Select(
+                        i < length,
                         (T.if_then_else(cb < h_blocks, T.cast(u_tile[i, j], ACCUM), T.cast(0, ACCUM)) - vn[i, j]) * k_scale[i],
-                        dtype,
+                        T.cast(0, ACCUM),
                     )
-                for i, j in T.Parallel(head_k, BLOCK_COLS):
-                    state[i, j] = state[i, j] * decay
-                T.gemm(k_tile, vn_s, state, transpose_A=True)
+                T.copy(vn, vn_s)
+                T.wgmma_gemm(k_tile, vn_s, state, transpose_A=True)
+                T.wait_wgmma(0)
+                if length < 0:  # never: same for k_tile
+                    sink = k_tile[0, 0]
 
             for i, j in T.Parallel(head_k, BLOCK_COLS):
                 seg_state[seg, head, i, cb * BLOCK_COLS + j] = state[i, j]
