@@ -95,6 +95,9 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             dk_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
             acc_v = T.alloc_fragment((CHUNK, head_v), ACCUM)
             start = T.alloc_var("int32")
+            qk_ready = T.alloc_barrier(threads)
+            vo_ready = T.alloc_barrier(threads)
+            hh_ready = T.alloc_barrier(threads)
             length = T.alloc_var("int32")
             head = T.alloc_var("int32")
             gamma_last = T.alloc_var(ACCUM)
@@ -104,10 +107,12 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
-                T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
-                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile)
+                T.tma_copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile, barrier=qk_ready)
+                T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=qk_ready)
+                T.barrier_arrive(qk_ready)
                 T.copy(q_norm_inv[qk_head, chunk_id, 0:CHUNK], q_inv)
                 T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
+                T.mbarrier_wait_parity(qk_ready, 0)
                 for i, d in T.Parallel(CHUNK, head_k):
                     q_tile[i, d] = T.cast(q_tile[i, d] * q_inv[i], dtype)
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
@@ -116,18 +121,26 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
 
                 for member in T.serial(group):
                     head = qk_head * group + member
-                    T.copy(do[start:start + CHUNK, head, 0:head_v], do_tile)
-                    T.copy(v_new[start:start + CHUNK, head, 0:head_v], vn_tile)
-                    T.copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile)
-                    T.copy(dh[chunk_id, head, 0:head_k, 0:head_v], dh_tile)
+                    # This member's four tiles by TMA, all in flight at once (the previous member's
+                    # reads of these buffers are finished: barrier, then the proxy fence).
+                    T.sync_threads()
+                    T.fence_proxy_async()
+                    T.tma_copy(do[start:start + CHUNK, head, 0:head_v], do_tile, barrier=vo_ready)
+                    T.tma_copy(v_new[start:start + CHUNK, head, 0:head_v], vn_tile, barrier=vo_ready)
+                    T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile, barrier=hh_ready)
+                    T.tma_copy(dh[chunk_id, head, 0:head_k, 0:head_v], dh_tile, barrier=hh_ready)
+                    T.barrier_arrive(vo_ready)
+                    T.barrier_arrive(hh_ready)
                     T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
                     gamma_last = gamma_s[length - 1]
                     for i in T.Parallel(CHUNK):
                         dgain[i] = T.if_then_else(i < length, T.__exp(gamma_s[i]), T.cast(0, ACCUM))
                         e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
-                    for i, j in T.Parallel(CHUNK, head_v):
-                        do_tile[i, j] = T.if_then_else(i < length, do_tile[i, j], T.cast(0, dtype))
-                        vn_tile[i, j] = T.if_then_else(i < length, vn_tile[i, j], T.cast(0, dtype))
+                    T.mbarrier_wait_parity(vo_ready, member % 2)
+                    if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
+                        for i, j in T.Parallel(CHUNK, head_v):
+                            do_tile[i, j] = T.if_then_else(i < length, do_tile[i, j], T.cast(0, dtype))
+                            vn_tile[i, j] = T.if_then_else(i < length, vn_tile[i, j], T.cast(0, dtype))
                     for i, j in T.Parallel(CHUNK, head_v):
                         vne_s[i, j] = T.cast(T.cast(vn_tile[i, j], ACCUM) * e_s[i], dtype)
 
@@ -151,6 +164,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         vn_tile[i, j] = T.cast(T.cast(do_tile[i, j], ACCUM) * (scale * dgain[i]), dtype)
 
                     # dq += (scale D dO) S^T + dQK K;  dk += dQK^T Q + E V_new dS'^T.
+                    T.mbarrier_wait_parity(hh_ready, member % 2)
                     T.gemm(vn_tile, h_tile, dq_acc, transpose_B=True)
                     T.gemm(dqk_s, k_tile, dq_acc)
                     T.gemm(dqk_s, q_tile, dk_acc, transpose_A=True)

@@ -89,6 +89,10 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             dv_acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
             dw_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
             qk_head = T.alloc_var("int32")
+            k_ready = T.alloc_barrier(threads)
+            v_ready = T.alloc_barrier(threads)
+            dvn_ready = T.alloc_barrier(threads)
+            h_ready = T.alloc_barrier(threads)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
 
@@ -96,18 +100,26 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
-                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile)
-                T.copy(v[start:start + CHUNK, head, 0:head_v], v_tile)
-                T.copy(dv_new[start:start + CHUNK, head, 0:head_v], dvn_tile)
-                T.copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile)
+                # The four tiles by TMA, all in flight at once; each is waited for before its first use.
+                T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
+                T.tma_copy(dv_new[start:start + CHUNK, head, 0:head_v], dvn_tile, barrier=dvn_ready)
+                T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile, barrier=h_ready)
+                T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
+                T.barrier_arrive(k_ready)
+                T.barrier_arrive(dvn_ready)
+                T.barrier_arrive(h_ready)
+                T.barrier_arrive(v_ready)
                 T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
                 T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
+                T.mbarrier_wait_parity(k_ready, 0)
                 for i, d in T.Parallel(CHUNK, head_k):
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
-                for i, j in T.Parallel(CHUNK, head_v):
-                    dvn_tile[i, j] = T.if_then_else(i < length, dvn_tile[i, j], T.cast(0, dtype))
+                T.mbarrier_wait_parity(dvn_ready, 0)
+                if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
+                    for i, j in T.Parallel(CHUNK, head_v):
+                        dvn_tile[i, j] = T.if_then_else(i < length, dvn_tile[i, j], T.cast(0, dtype))
 
                 # A_r, A_u, A_w as in the forward.
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
@@ -129,11 +141,13 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 for i, j in T.Parallel(CHUNK, head_v):
                     if i < length:
                         dv[start + i, head, j] = T.cast(dv_acc[i, j], dtype)
+                T.mbarrier_wait_parity(h_ready, 0)
                 T.gemm(dvn_tile, h_tile, dw_acc, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(CHUNK, head_k):
                     dw_s[i, d] = T.cast(-dw_acc[i, d], dtype)
 
                 # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal).
+                T.mbarrier_wait_parity(v_ready, 0)
                 T.gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
                 T.gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
