@@ -28,3 +28,24 @@ def test_kernel_compiles_for_sm90a(name):
         kernel = VARIANTS[name]()
     source = kernel.get_kernel_source()
     assert "wgmma" in source, f"{name}: no wgmma in the generated CUDA"
+
+
+ASYNC_PRODUCT_KERNELS = ("state_output", "chunk_states", "state_grads", "segment_state")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith(ASYNC_PRODUCT_KERNELS)))
+def test_tiles_read_by_async_products_are_released_after_the_wait(name):
+    """Kernels with asynchronous wgmma groups inside a warp-specialised pipeline re-read a
+    tile after their last wait (tiles.py), so TileLang hands the tile back to the TMA
+    producer only once the products reading it are done. Pin that the generated consumer
+    loop still ends that way: a release (mbarrier arrive) after the last full wait and its
+    read, never between them."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    assert "tl::wait_wgmma<" in source, f"{name}: no asynchronous products"
+    tail = source[source.rindex("tl::wait_wgmma<0>();"):]
+    read_after_wait = tail.find("sink = ")
+    release = tail.find(".arrive();")
+    assert 0 <= read_after_wait < release, f"{name}: a tile is released before its products have finished"
