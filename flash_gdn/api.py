@@ -33,14 +33,17 @@ class ForwardSaved:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
-    scale: float
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     use_qk_l2norm_in_kernel: bool
     state_v_first: bool
     path: str
     extras: dict
-    problem: Problem  # the validated shapes
+    problem: Problem  # the validated shapes and scale
+
+    @property
+    def scale(self) -> float:
+        return self.problem.scale
 
 
 class GDNGrads(NamedTuple):
@@ -109,8 +112,8 @@ def chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, problem, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
             state_v_first, path, save_chunk_states,
         )
-    saved = ForwardSaved(q, k, v, g, beta, problem.scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                         state_v_first, path, extras, problem)
+    saved = ForwardSaved(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, path,
+                         extras, problem)
     return o, final_state, saved
 
 
@@ -171,8 +174,8 @@ class _HopperGDN(torch.autograd.Function):
             q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first,
             dispatch.HOPPER, save_states,
         )
-        ctx.saved = ForwardSaved(q, k, v, g, beta, problem.scale, initial_state, cu_seqlens, use_l2, state_v_first,
-                                 dispatch.HOPPER, extras, problem)
+        ctx.saved = ForwardSaved(q, k, v, g, beta, initial_state, cu_seqlens, use_l2, state_v_first, dispatch.HOPPER,
+                                 extras, problem)
         ctx.has_final = final_state is not None
         return (o, final_state) if ctx.has_final else (o,)
 
