@@ -82,6 +82,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             dau = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             daw = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             tmp = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            dar = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             red_x = T.alloc_fragment((CHUNK,), ACCUM)
             red_c = T.alloc_fragment((CHUNK,), ACCUM)
             red_r = T.alloc_fragment((CHUNK,), ACCUM)
@@ -123,18 +124,20 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
 
                 # A_r, A_u, A_w as in the forward.
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                # Element-wise work in registers (selects), fragments to shared memory whole.
+                T.copy(kkt, kk_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    kk_s[i, j] = kkt[i, j]
-                    lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, ACCUM))
+                    kkt[i, j] = T.Select(i > j, beta_s[i] * kkt[i, j], T.cast(0, ACCUM))
+                T.copy(kkt, lower)
                 blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
+                T.copy(inv, ar_h)
+                # (Above the diagonal e^(gamma_i - gamma_j) may overflow; the select drops it.)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    ar_h[i, j] = T.cast(inv[i, j], HALF)
-                    au_s[i, j] = T.if_then_else(
-                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], dtype), T.cast(0, dtype)
-                    )
-                    aw_s[i, j] = T.if_then_else(
-                        i >= j, T.cast(inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j], dtype), T.cast(0, dtype)
-                    )
+                    tmp[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], T.cast(0, ACCUM))
+                T.copy(tmp, au_s)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    tmp[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j], T.cast(0, ACCUM))
+                T.copy(tmp, aw_s)
 
                 # dV = A_u^T dV_new;  dW = -dV_new S^T.
                 T.gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
@@ -144,22 +147,24 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 T.mbarrier_wait_parity(h_ready, 0)
                 T.gemm(dvn_tile, h_tile, dw_acc, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(CHUNK, head_k):
-                    dw_s[i, d] = T.cast(-dw_acc[i, d], dtype)
+                    dw_acc[i, d] = -dw_acc[i, d]
+                T.copy(dw_acc, dw_s)
 
                 # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal).
                 T.mbarrier_wait_parity(v_ready, 0)
                 T.gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
                 T.gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    dau[i, j] = T.if_then_else(i >= j, dau[i, j], T.cast(0, ACCUM))
-                    daw[i, j] = T.if_then_else(i >= j, daw[i, j], T.cast(0, ACCUM))
-                # dA_r, and the beta column terms X_ij = (Gamma dA_u + e^gamma_i dA_w) A_r.
+                    dau[i, j] = T.Select(i >= j, dau[i, j], T.cast(0, ACCUM))
+                    daw[i, j] = T.Select(i >= j, daw[i, j], T.cast(0, ACCUM))
+                # dA_r, and the beta column terms X_ij = (Gamma dA_u + e^gamma_i dA_w) A_r
+                # (G_ij = Gamma dA_u + e^gamma_i dA_w; dA_r = G diag(beta)).
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    dar_h[i, j] = T.cast(
-                        T.if_then_else(i >= j, T.__exp(gamma_s[i] - gamma_s[j]), T.cast(0, ACCUM)) * beta_s[j] * dau[i, j]
-                        + T.__exp(gamma_s[i]) * beta_s[j] * daw[i, j], HALF)
-                    tmp[i, j] = (T.if_then_else(i >= j, T.__exp(gamma_s[i] - gamma_s[j]), T.cast(0, ACCUM)) * dau[i, j]
-                                 + T.__exp(gamma_s[i]) * daw[i, j]) * T.cast(ar_h[i, j], ACCUM)
+                    dar[i, j] = (T.Select(i >= j, T.__exp(gamma_s[i] - gamma_s[j]), T.cast(0, ACCUM)) * dau[i, j]
+                                 + T.__exp(gamma_s[i]) * daw[i, j])
+                    tmp[i, j] = dar[i, j] * T.cast(ar_h[i, j], ACCUM)
+                    dar[i, j] = dar[i, j] * beta_s[j]
+                T.copy(dar, dar_h)
                 T.reduce_sum(tmp, red_x, dim=0)
                 T.copy(red_x, xcol_s)
                 # dgamma terms: R_u = dA_u * A_u, R_w = dA_w * A_w.
@@ -176,14 +181,16 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 T.copy(tmp, t_h)
                 T.gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = T.if_then_else(i > j, -tmp[i, j], T.cast(0, ACCUM))
-                    dkk_h[i, j] = T.cast(beta_s[i] * tmp[i, j], HALF)
+                    tmp[i, j] = T.Select(i > j, -tmp[i, j], T.cast(0, ACCUM))
+                    dar[i, j] = beta_s[i] * tmp[i, j]
+                T.copy(dar, dkk_h)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     tmp[i, j] = tmp[i, j] * kk_s[i, j]
                 T.reduce_sum(tmp, red_l, dim=1)
                 T.copy(red_l, lrow_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    sym_s[i, j] = T.cast(T.cast(dkk_h[i, j], ACCUM) + T.cast(dkk_h[j, i], ACCUM), dtype)
+                    dar[i, j] = T.cast(dkk_h[i, j], ACCUM) + T.cast(dkk_h[j, i], ACCUM)
+                T.copy(dar, sym_s)
 
                 # dK_wy = A_w^T dW + (dKK + dKK^T) K.
                 T.gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
