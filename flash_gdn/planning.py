@@ -1,9 +1,12 @@
 """Launch planning on the device: where every chunk of every sequence starts and ends.
 
-All of it is tensor arithmetic on ``cu_seqlens``'s device, with no host synchronisation,
-so a call captures into a CUDA graph. Grids are sized by an upper bound known from the
-shapes alone (``ceil(T / C) + N`` chunks); chunks past the real count have
-``start == end`` and their CTAs exit at once.
+Nothing here synchronises host and device, so a call captures into a CUDA graph. Grids are
+sized by an upper bound known from the shapes alone (``ceil(T / C) + N`` chunks); chunks past
+the real count have ``start == end`` and their CTAs exit at once.
+
+On a CUDA device a varlen map is built by two small kernels (``hopper.plan_kernels``); the
+torch-op version below is the CPU path, the batch path (built once per shape and cached)
+and the kernels' reference.
 """
 
 from __future__ import annotations
@@ -30,6 +33,39 @@ def chunk_capacity(batch: int, seq_len: int, num_seqs: int, varlen: bool, chunk:
     return -(-batch * seq_len // chunk) + num_seqs
 
 
+class SegmentPlan(NamedTuple):
+    """Chunk-aligned segments of every sequence, for context parallelism (DESIGN section 4).
+
+    seg_info: ``[S, 3]`` int32, per segment: first token, one-past-last token, index of its
+        first chunk in the chunk map (same layout as ``ChunkPlan.seq_info``; unused entries 0).
+    transition_info: ``seg_info`` with every sequence's last segment made empty (end = start):
+        the transition pass skips those, whose [h | M] no later segment needs.
+    seg_meta: ``[N, 3]`` int32, per sequence: index of its first segment (``first_seg``), its
+        number of segments (``num_segs``; at least 1, so an empty sequence still carries its
+        initial state to its final state), index of its last segment (``last_seg``, whose
+        end state is the sequence's final state).
+    max_segs: host bound on ``num_segs`` (from shapes); exact for B sequences of one length
+        or a single packed sequence.
+    """
+
+    seg_info: torch.Tensor
+    transition_info: torch.Tensor
+    seg_meta: torch.Tensor
+    max_segs: int
+
+    @property
+    def first_seg(self) -> torch.Tensor:
+        return self.seg_meta[:, 0]
+
+    @property
+    def num_segs(self) -> torch.Tensor:
+        return self.seg_meta[:, 1]
+
+    @property
+    def last_seg(self) -> torch.Tensor:
+        return self.seg_meta[:, 2]
+
+
 class ChunkPlan(NamedTuple):
     """Device tensors that tell each kernel what its CTA works on.
 
@@ -37,23 +73,66 @@ class ChunkPlan(NamedTuple):
         (chunks numbered sequence by sequence; unused entries ``(0, 0)``).
     seq_info: ``[N, 3]`` int32, per sequence: first token, one-past-last token, index of its
         first chunk in ``chunk_bounds``.
+    segments: the segment map of context parallelism, numbered like ``chunk_bounds``, when
+        ``plan_for`` was given ``seg_chunks``.
     """
 
     chunk_bounds: torch.Tensor
     seq_info: torch.Tensor
+    segments: SegmentPlan | None = None  # when planned with seg_chunks (context parallelism)
 
 
-def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
-    """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given.
+def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+             seg_chunks: int | None = None) -> ChunkPlan:
+    """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given; with
+    ``seg_chunks``, also its segments of that many chunks (``ChunkPlan.segments``).
 
     Without ``cu_seqlens`` the map depends on the shape alone and is built once per
-    (B, T, device) and reused (no torch ops on later calls: less eager overhead) - except
-    during CUDA-graph capture, where ops are recorded, not run, so nothing may be cached.
+    (B, T, device, seg_chunks) and reused (no torch ops on later calls) - except during
+    CUDA-graph capture, where ops are recorded, not run, so nothing may be cached.
     """
+    device = torch.device(device)
     if cu_seqlens is None and not _capturing(device):
-        return _batch_plan(batch, seq_len, _canonical(device))
+        return _batch_plan(batch, seq_len, _canonical(device), seg_chunks)
+    if device.type == "cuda":
+        return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+    return _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+
+
+def _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device)
-    return plan_chunks(cu, chunk_capacity(batch, seq_len, cu.numel() - 1, True))
+    plan = plan_chunks(cu, chunk_capacity(batch, seq_len, cu.numel() - 1, True))
+    if seg_chunks is None:
+        return plan
+    return plan._replace(segments=_plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks))
+
+
+def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
+    """``_torch_plan`` in two launches (``hopper.plan_kernels``) instead of 40-100 torch ops."""
+    from .hopper.plan_kernels import build_cut_pieces, build_sequence_prefix
+
+    varlen = cu_seqlens is not None
+    if varlen:
+        cu = cu_seqlens.to(device)  # int32 or int64 (one kernel variant each)
+    else:
+        cu = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)[: batch + 1]
+    num_seqs = cu.numel() - 1
+    chunks = chunk_capacity(batch, seq_len, num_seqs, varlen)
+    seq_info = torch.empty(num_seqs, 3, dtype=torch.int32, device=device)
+    seg_meta = torch.empty(num_seqs, 3, dtype=torch.int32, device=device)
+    totals = torch.empty(2, dtype=torch.int32, device=device)
+    split = seg_chunks if seg_chunks is not None else 1 << 20
+    build_sequence_prefix(str(cu.dtype).removeprefix("torch."))(cu, split, seq_info, seg_meta, totals)
+    bounds = torch.empty(chunks, 2, dtype=torch.int32, device=device)
+    segs = 1 if seg_chunks is None else segment_capacity(chunks, num_seqs, seg_chunks)
+    seg_info = torch.empty(segs, 3, dtype=torch.int32, device=device)
+    transition_info = torch.empty(segs, 3, dtype=torch.int32, device=device)
+    build_cut_pieces()(seq_info, seg_meta, totals, split, int(seg_chunks is not None), bounds, seg_info,
+                       transition_info)
+    if seg_chunks is None:
+        return ChunkPlan(bounds, seq_info)
+    max_segs = _max_segs(batch, seq_len, num_seqs, varlen, chunks, seg_chunks)
+    return ChunkPlan(bounds, seq_info, SegmentPlan(seg_info, transition_info, seg_meta, max_segs))
 
 
 def _capturing(device) -> bool:
@@ -68,9 +147,12 @@ def _canonical(device) -> torch.device:
 
 
 @functools.lru_cache(maxsize=64)
-def _batch_plan(batch: int, seq_len: int, device: torch.device) -> ChunkPlan:
+def _batch_plan(batch: int, seq_len: int, device: torch.device, seg_chunks: int | None) -> ChunkPlan:
     cu = packed_cu_seqlens(batch, seq_len, None, device)
-    return plan_chunks(cu, chunk_capacity(batch, seq_len, batch, False))
+    plan = plan_chunks(cu, chunk_capacity(batch, seq_len, batch, False))
+    if seg_chunks is None:
+        return plan
+    return plan._replace(segments=_batch_segments(batch, seq_len, device, seg_chunks))
 
 
 class _Pieces(NamedTuple):
@@ -111,24 +193,6 @@ def plan_chunks(cu: torch.Tensor, num_chunks: int, chunk: int = CHUNK) -> ChunkP
     return ChunkPlan(bounds, seq_info)
 
 
-class SegmentPlan(NamedTuple):
-    """Chunk-aligned segments of every sequence, for context parallelism (DESIGN section 4).
-
-    seg_info: ``[S, 3]`` int32, per segment: first token, one-past-last token, index of its
-        first chunk in the chunk map (same layout as ``ChunkPlan.seq_info``; unused entries 0).
-    first_seg: ``[N]`` int64, index of each sequence's first segment.
-    num_segs: ``[N]`` int64, segments per sequence (at least 1, so an empty sequence still
-        carries its initial state to its final state).
-    max_segs: host bound on ``num_segs`` (from shapes), the length of the initial-state scan;
-        exact for B sequences of one length or a single packed sequence.
-    """
-
-    seg_info: torch.Tensor
-    first_seg: torch.Tensor
-    num_segs: torch.Tensor
-    max_segs: int
-
-
 def segment_capacity(max_chunks: int, num_seqs: int, seg_chunks: int) -> int:
     """An upper bound on the number of segments: sum_n max(1, ceil(chunks_n / s)) <= ceil(C / s) + N."""
     return -(-max_chunks // seg_chunks) + num_seqs
@@ -164,9 +228,16 @@ def _plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, de
     seq_first_chunk = torch.cumsum(chunks_per_seq, 0) - chunks_per_seq
     first_chunk = (seq_first_chunk[segs.seq] + segs.j * seg_chunks) * segs.valid
     seg_info = torch.stack([segs.start, segs.end, first_chunk], dim=1).to(torch.int32)
-    # Without cu_seqlens every sequence has seq_len tokens; a single packed sequence has all
-    # B * T of them. Then the longest sequence's chunk count is known on the host.
+    is_last = segs.j == segs.per_seq[segs.seq] - 1
+    transition_info = torch.stack([segs.start, torch.where(is_last, segs.start, segs.end), first_chunk], dim=1)
+    seg_meta = torch.stack([segs.first, segs.per_seq, segs.first + segs.per_seq - 1], dim=1).to(torch.int32)
+    max_segs = _max_segs(batch, seq_len, num_seqs, varlen, max_chunks, seg_chunks)
+    return SegmentPlan(seg_info, transition_info.to(torch.int32), seg_meta, max_segs)
+
+
+def _max_segs(batch: int, seq_len: int, num_seqs: int, varlen: bool, max_chunks: int, seg_chunks: int) -> int:
+    """Host bound on segments per sequence. Without cu_seqlens every sequence has seq_len
+    tokens; a single packed sequence has all B * T of them: then the bound is exact."""
     exact = not varlen or num_seqs == 1
     longest = -(-(seq_len if not varlen else batch * seq_len) // CHUNK) if exact else max_chunks
-    max_segs = max(1, -(-longest // seg_chunks))
-    return SegmentPlan(seg_info, segs.first, segs.per_seq, max_segs)
+    return max(1, -(-longest // seg_chunks))

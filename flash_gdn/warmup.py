@@ -11,9 +11,12 @@ def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat1
     every head configuration and every batch. Returns the names of the variants built.
     """
     from .hopper.tiles import TL_DTYPE
-    from .hopper.variants import kernel_builders
+    from .hopper.variants import kernel_builders, planning_builders
 
     built = []
+    for name, build in planning_builders():
+        build()
+        built.append(name)
     for dtype in dtypes:
         for name, build in kernel_builders(head_dim, TL_DTYPE[dtype]):
             build()

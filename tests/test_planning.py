@@ -47,6 +47,14 @@ def test_segments_tile_every_sequence_in_order():
                 assert int(chunk_plan.chunk_bounds[first_chunk, 0]) == start
     used = int(segs.num_segs.sum())
     assert (info[used:] == 0).all()
+    # The transition pass gets the same segments with each sequence's last one empty.
+    trans = segs.transition_info.long()
+    last = segs.first_seg.long() + segs.num_segs.long() - 1
+    assert torch.equal(segs.last_seg, last)
+    assert torch.equal(trans[last, 1], trans[last, 0]) and torch.equal(trans[last, 0], info[last, 0])
+    keep = torch.ones(info.shape[0], dtype=torch.bool)
+    keep[last] = False
+    assert torch.equal(trans[keep], info[keep])
 
 
 def test_batch_plans_are_built_once_per_shape():

@@ -5,8 +5,9 @@ sequence is cut into chunk-aligned segments that run as independent sequences:
 
 1. ``segment_state`` gives every segment's end state from zero, h, and its transition
    matrix M (fp32), so that S_end = M S_start + h;
-2. a scan over each sequence's segments: S_start[s + 1] = M_s S_start[s] + h_s, in fp32
-   (exact also for heads whose gates never decay: nothing is truncated);
+2. ``segment_scan``, a scan over each sequence's segments: S_start[s + 1] = M_s S_start[s] + h_s,
+   in fp32 (also for heads whose gates never decay nothing is truncated);
+   ``segment_initial_states`` below is the same scan in torch ops, its reference;
 3. ``state_output`` over the segments with those initial states.
 
 Everything is planned on the device from ``cu_seqlens``; the host only uses shapes.
@@ -58,7 +59,8 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
 
 def segment_initial_states(seg_state: torch.Tensor, plan: SegmentPlan, initial_state: torch.Tensor | None,
                            head_v: int) -> torch.Tensor:
-    """Initial state of every segment, ``[segments, Hv, K, V]`` fp32, by the sequential scan.
+    """Initial state of every segment, ``[segments, Hv, K, V]`` fp32, by the sequential scan
+    (the reference of the ``segment_scan`` kernel).
 
     ``seg_state`` is ``[segments, Hv, K, V + K]`` = [h | M]. One batched step per segment
     position j (host loop of ``max_segs`` steps, no synchronisation); sequences with fewer
@@ -66,7 +68,7 @@ def segment_initial_states(seg_state: torch.Tensor, plan: SegmentPlan, initial_s
     """
     capacity, hv, dk, _ = seg_state.shape
     h, m = seg_state[..., :head_v], seg_state[..., head_v:]
-    init = torch.zeros(capacity + 1, hv, dk, head_v, dtype=torch.float32, device=seg_state.device)
+    init = torch.zeros(capacity + 1, hv, dk, head_v, dtype=seg_state.dtype, device=seg_state.device)
     if initial_state is not None:
         init[plan.first_seg] = initial_state
     # Indices of every step at once: target[j - 1, n] is segment j of sequence n (or the

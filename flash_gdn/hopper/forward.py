@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import chunk_capacity, plan_segments
+from ..planning import chunk_capacity
 from ..validation import Problem
-from .context_parallel import segment_chunks_for, segment_initial_states
+from .context_parallel import segment_chunks_for
 from .prepare_wu import run_prepare
+from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_output import build_state_output
 from .tiles import TL_DTYPE
@@ -31,7 +32,9 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     tl_dtype = TL_DTYPE[q.dtype]
     # The L2 norm of q and k (use_l2) is fused: prepare_wu computes the inverse row norms,
     # the state kernels fold them into their row factors.
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2)
+    max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
+    seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks)
     qf, kf, w, u, gamma = prep.q, prep.k, prep.w, prep.u, prep.gamma
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
 
@@ -51,8 +54,6 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         # two CTAs of 64 columns even when the GPU is underfilled: 6.1 vs 6.9 us per chunk, H200).
         return build_state_output(dk, dv, tl_dtype, has_initial, dv, save_states)
 
-    max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
-    seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
     if seg_chunks is None:
         final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
         # Without an initial state the kernel is compiled not to read one (any buffer will do).
@@ -61,16 +62,20 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
             problem.scale, o, final_state, h, v_new,
         )
     else:
-        segs = plan_segments(batch, seq_len, cu_seqlens, q.device, seg_chunks)
+        segs = plan.segments
         capacity = segs.seg_info.shape[0]
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
-        build_segment_state(dk, dv, tl_dtype)(kf, w, u, gamma, k_norm_inv, segs.seg_info, seg_state)
-        seg_init = segment_initial_states(seg_state, segs, h0, dv)
+        build_segment_state(dk, dv, tl_dtype)(kf, w, u, gamma, k_norm_inv, segs.transition_info, seg_state)
+        seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
+        # Without an initial state the scan is compiled not to read one (any buffer will do).
+        build_segment_scan(dk, dv, h0 is not None)(
+            seg_state, segs.seg_meta, seg_init if h0 is None else h0, seg_init
+        )
         seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         state_output(has_initial=True)(
             qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final, h, v_new
         )
-        final_state = seg_final[segs.first_seg + segs.num_segs - 1]
+        final_state = seg_final[segs.last_seg] if output_final_state else None
 
     if output_final_state:
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state

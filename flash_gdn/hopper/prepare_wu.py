@@ -183,8 +183,9 @@ class Prepared(NamedTuple):
     k_norm_inv: torch.Tensor
 
 
-def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool) -> Prepared:
-    """Plan the chunks and launch ``prepare_wu`` (no host synchronisation)."""
+def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None) -> Prepared:
+    """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
+    launch ``prepare_wu`` (no host synchronisation)."""
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     dtype, dev = q.dtype, q.device
@@ -194,7 +195,7 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool) -> Prepared
     vf = v.reshape(tokens, hv, dv).contiguous()
     gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
     bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
-    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev)
+    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks)
     num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)

@@ -9,7 +9,8 @@ as a left multiplication:
 so h is the recurrence run from S = 0 with the real U, and M the same recurrence run from
 S = I with U = 0. One CTA per (64-column block of [h | M], segment, value head); columns
 0..V-1 are h, columns V..V+K-1 are M. Both are written in fp32 to ``seg_state``
-``[segments, Hv, K, V + K]``.
+``[segments, Hv, K, V + K]``. A sequence's last segment needs neither (nothing follows it):
+the plan hands those in empty, and their CTAs write nothing.
 """
 
 import functools
@@ -114,7 +115,8 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
 
-            for i, j in T.Parallel(head_k, BLOCK_COLS):
-                seg_state[seg, head, i, cb * BLOCK_COLS + j] = state[i, j]
+            if seg_end > seg_start:  # empty: a sequence's last segment, whose [h | M] nothing reads
+                for i, j in T.Parallel(head_k, BLOCK_COLS):
+                    seg_state[seg, head, i, cb * BLOCK_COLS + j] = state[i, j]
 
     return segment_state

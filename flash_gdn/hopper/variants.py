@@ -11,8 +11,10 @@ import itertools
 from .chunk_states import build_chunk_states
 from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
+from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prepare_wu import build_prepare_wu
 from .qk_grads import build_qk_grads
+from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_grads import build_state_grads
 from .wy_grads import build_wy_grads
@@ -34,6 +36,8 @@ def kernel_builders(head_dim: int, dtype: str):
     builders += [(f"prepare_wu[{dtype},{gd}]", lambda gd=gd: build_prepare_wu(d, d, dtype, gd))
                  for gd in gate_dtypes]
     builders.append((f"segment_state[{dtype}]", lambda: build_segment_state(d, d, dtype)))
+    if dtype == DTYPES[0]:  # fp32 only: one variant per head size
+        builders += [(f"segment_scan[h0={h0}]", lambda h0=h0: build_segment_scan(d, d, h0)) for h0 in (False, True)]
     builders += [(f"state_output[{dtype},h0={h0},store={store}]",
                   lambda h0=h0, store=store: build_state_output(d, d, dtype, h0, d, store))
                  for h0, store in itertools.product((False, True), (False, True))]
@@ -56,7 +60,15 @@ def backward_kernel_builders(head_dim: int, dtype: str):
     return builders
 
 
+def planning_builders():
+    """The device planning kernels (no head size or dtype; one variant per cu_seqlens dtype)."""
+    builders = [(f"sequence_prefix[{idx}]", lambda idx=idx: build_sequence_prefix(idx)) for idx in ("int32", "int64")]
+    builders.append(("cut_pieces", build_cut_pieces))
+    return builders
+
+
 def all_variants():
+    yield from planning_builders()
     for dtype, d in itertools.product(DTYPES, HEAD_DIMS):
         for name, build in kernel_builders(d, dtype) + backward_kernel_builders(d, dtype):
             yield f"{name}[K=V={d}]", build

@@ -1,0 +1,173 @@
+"""The chunk and segment maps of ``planning`` built on the device in two small launches.
+
+The torch-op version in ``planning`` (the reference, and the CPU path) dispatches 40-100
+operators per varlen call; each costs host time on the hot path. Here:
+
+1. ``sequence_prefix`` (one CTA): per sequence its chunk count and segment count, and their
+   exclusive prefix sums (each thread sums a run of sequences, one thread scans the runs,
+   each thread walks its run again writing ``seq_info`` and ``seg_meta``), plus the totals.
+2. ``cut_pieces`` (one CTA per sequence, one more for the tail): every chunk's and segment's
+   bounds; the extra CTA zeroes the slots past the totals (unused capacity: start == end).
+
+Layouts are those of ``planning.ChunkPlan`` and ``planning.SegmentPlan``.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+CHUNK = 64
+PREFIX_THREADS = 256
+CUT_THREADS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def build_sequence_prefix(index_dtype: str):
+    return _sequence_prefix_kernel(index_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def build_cut_pieces():
+    return _cut_pieces_kernel()
+
+
+@tilelang.jit
+def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
+    num_offsets = T.dynamic("num_offsets")
+    num_seqs = T.dynamic("num_seqs")
+
+    @T.prim_func
+    def sequence_prefix(
+        cu: T.Tensor((num_offsets,), index_dtype),
+        seg_chunks: T.int32,
+        seq_info: T.Tensor((num_seqs, 3), "int32"),
+        seg_meta: T.Tensor((num_seqs, 3), "int32"),
+        totals: T.Tensor((2,), "int32"),
+    ):
+        with T.Kernel(1, threads=threads):
+            tx = T.get_thread_binding()
+            runs = T.alloc_shared((2, threads), "int32")
+            chunks_acc = T.alloc_var("int32")
+            segs_acc = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+            n_chunks = T.alloc_var("int32")
+            n_segs = T.alloc_var("int32")
+            carry_c = T.alloc_var("int32")
+            carry_s = T.alloc_var("int32")
+            per_thread = T.ceildiv(num_seqs, threads)
+
+            chunks_acc = 0
+            segs_acc = 0
+            for i in T.serial(per_thread):
+                n = tx * per_thread + i
+                if n < num_seqs:
+                    length = T.cast(cu[n + 1] - cu[n], "int32")
+                    n_chunks = T.ceildiv(length, CHUNK)
+                    chunks_acc += n_chunks
+                    segs_acc += T.max(1, T.ceildiv(n_chunks, seg_chunks))
+            runs[0, tx] = chunks_acc
+            runs[1, tx] = segs_acc
+            T.sync_threads()
+            if tx == 0:  # exclusive scan of the runs' sums
+                carry_c = 0
+                carry_s = 0
+                for t in T.serial(threads):
+                    n_chunks = runs[0, t]
+                    n_segs = runs[1, t]
+                    runs[0, t] = carry_c
+                    runs[1, t] = carry_s
+                    carry_c += n_chunks
+                    carry_s += n_segs
+                totals[0] = carry_c
+                totals[1] = carry_s
+            T.sync_threads()
+            chunks_acc = runs[0, tx]
+            segs_acc = runs[1, tx]
+            for i in T.serial(per_thread):
+                n = tx * per_thread + i
+                if n < num_seqs:
+                    length = T.cast(cu[n + 1] - cu[n], "int32")
+                    n_chunks = T.ceildiv(length, CHUNK)
+                    n_segs = T.max(1, T.ceildiv(n_chunks, seg_chunks))
+                    seq_info[n, 0] = T.cast(cu[n], "int32")
+                    seq_info[n, 1] = T.cast(cu[n + 1], "int32")
+                    seq_info[n, 2] = chunks_acc
+                    seg_meta[n, 0] = segs_acc
+                    seg_meta[n, 1] = n_segs
+                    seg_meta[n, 2] = segs_acc + n_segs - 1
+                    chunks_acc += n_chunks
+                    segs_acc += n_segs
+
+    return sequence_prefix
+
+
+@tilelang.jit
+def _cut_pieces_kernel(threads=CUT_THREADS):
+    num_seqs = T.dynamic("num_seqs")
+    num_chunks = T.dynamic("num_chunks")
+    num_segs = T.dynamic("num_segs")
+
+    @T.prim_func
+    def cut_pieces(
+        seq_info: T.Tensor((num_seqs, 3), "int32"),
+        seg_meta: T.Tensor((num_seqs, 3), "int32"),
+        totals: T.Tensor((2,), "int32"),
+        seg_chunks: T.int32,
+        with_segments: T.int32,
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+        seg_info: T.Tensor((num_segs, 3), "int32"),
+        transition_info: T.Tensor((num_segs, 3), "int32"),
+    ):
+        with T.Kernel(num_seqs + 1, threads=threads) as seq:
+            tx = T.get_thread_binding()
+            start = T.alloc_var("int32")
+            end = T.alloc_var("int32")
+            first_chunk = T.alloc_var("int32")
+            first_seg = T.alloc_var("int32")
+            count = T.alloc_var("int32")
+            seg_start = T.alloc_var("int32")
+            seg_end = T.alloc_var("int32")
+            seg_tokens = seg_chunks * CHUNK
+            if seq < num_seqs:
+                start = seq_info[seq, 0]
+                end = seq_info[seq, 1]
+                first_chunk = seq_info[seq, 2]
+                count = T.ceildiv(end - start, CHUNK)
+                for r in T.serial(T.ceildiv(count, threads)):
+                    c = r * threads + tx
+                    if c < count:
+                        chunk_bounds[first_chunk + c, 0] = start + c * CHUNK
+                        chunk_bounds[first_chunk + c, 1] = T.min(start + (c + 1) * CHUNK, end)
+                if with_segments != 0:
+                    first_seg = seg_meta[seq, 0]
+                    count = seg_meta[seq, 1]
+                    for r in T.serial(T.ceildiv(count, threads)):
+                        j = r * threads + tx
+                        if j < count:
+                            seg_start = T.min(start + j * seg_tokens, end)
+                            seg_end = T.min(seg_start + seg_tokens, end)
+                            seg_info[first_seg + j, 0] = seg_start
+                            seg_info[first_seg + j, 1] = seg_end
+                            seg_info[first_seg + j, 2] = first_chunk + j * seg_chunks
+                            # The transition pass skips a sequence's last segment (nothing follows it).
+                            transition_info[first_seg + j, 0] = seg_start
+                            transition_info[first_seg + j, 1] = T.if_then_else(j == count - 1, seg_start, seg_end)
+                            transition_info[first_seg + j, 2] = first_chunk + j * seg_chunks
+            else:  # unused capacity: empty pieces (start == end == 0)
+                first_chunk = totals[0]
+                for r in T.serial(T.ceildiv(T.max(num_chunks - first_chunk, 0), threads)):
+                    c = first_chunk + r * threads + tx
+                    if c < num_chunks:
+                        chunk_bounds[c, 0] = 0
+                        chunk_bounds[c, 1] = 0
+                if with_segments != 0:
+                    first_seg = totals[1]
+                    for r in T.serial(T.ceildiv(T.max(num_segs - first_seg, 0), threads)):
+                        j = first_seg + r * threads + tx
+                        if j < num_segs:
+                            for col in T.serial(3):
+                                seg_info[j, col] = 0
+                                transition_info[j, col] = 0
+
+    return cut_pieces

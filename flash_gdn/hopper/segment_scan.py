@@ -1,0 +1,87 @@
+"""Context parallelism, pass 2: every segment's initial state, by a scan over its sequence.
+
+For the segments s = first, first + 1, ... of one sequence (``planning.plan_segments``),
+with [h_s | M_s] from ``segment_state`` (DESIGN section 4):
+
+    S_start[first] = h0,   S_start[s + 1] = M_s S_start[s] + h_s
+
+One CTA per (sequence, block of ``BLOCK_COLS`` state columns, value head) walks the
+sequence's segments on the device (first segment and count from ``SegmentPlan.seg_meta``), so
+the host needs no bound and launches once.
+
+The transition matrices stay in fp32 (nothing is truncated for heads whose gates do not
+decay). The tensor cores multiply tf32, which keeps 10 mantissa bits, so each fp32 operand is
+split into a part exact in bf16 (8 bits, hence exact in tf32) and the fp32 remainder:
+
+    M S ~ M_hi S_hi + M_hi S_lo + M_lo S_hi
+
+The dropped M_lo S_lo is ~2^-16 of |M| |S| and the remainders lose ~2^-19 to tf32: about
+1e-5 relative per step, far below the bf16 rounding of the kernels' inputs.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import ACCUM
+
+BLOCK_COLS = 32
+
+
+@functools.lru_cache(maxsize=None)
+def build_segment_scan(head_k: int, head_v: int, has_initial: bool):
+    return _segment_scan_kernel(head_k, head_v, has_initial)
+
+
+def _bf16_part(x):
+    """x rounded to bf16, kept in fp32 (exact in tf32)."""
+    return T.cast(T.cast(x, "bfloat16"), ACCUM)
+
+
+@tilelang.jit
+def _segment_scan_kernel(head_k, head_v, has_initial, threads=128):
+    num_segs_total = T.dynamic("num_segs_total")
+    num_seqs = T.dynamic("num_seqs")
+    num_v_heads = T.dynamic("num_v_heads")
+    h0_rows = T.dynamic("h0_rows")
+
+    @T.prim_func
+    def segment_scan(
+        seg_state: T.Tensor((num_segs_total, num_v_heads, head_k, head_v + head_k), ACCUM),
+        seg_meta: T.Tensor((num_seqs, 3), "int32"),
+        h0: T.Tensor((h0_rows, num_v_heads, head_k, head_v), ACCUM),
+        seg_init: T.Tensor((num_segs_total, num_v_heads, head_k, head_v), ACCUM),
+    ):
+        with T.Kernel(num_seqs, head_v // BLOCK_COLS, num_v_heads, threads=threads) as (seq, cb, head):
+            m_hi = T.alloc_shared((head_k, head_k), ACCUM)
+            m_lo = T.alloc_shared((head_k, head_k), ACCUM)
+            s_hi = T.alloc_shared((head_k, BLOCK_COLS), ACCUM)
+            s_lo = T.alloc_shared((head_k, BLOCK_COLS), ACCUM)
+            state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
+            first = T.alloc_var("int32")
+            count = T.alloc_var("int32")
+            col = cb * BLOCK_COLS
+
+            first = seg_meta[seq, 0]
+            count = seg_meta[seq, 1]
+            if has_initial:
+                T.copy(h0[seq, head, 0:head_k, col:col + BLOCK_COLS], state)
+            else:
+                T.clear(state)
+            T.copy(state, seg_init[first, head, 0:head_k, col:col + BLOCK_COLS])
+            for j in T.serial(count - 1):
+                for i, k in T.Parallel(head_k, head_k):  # split while loading (no shared read-back)
+                    m_hi[i, k] = _bf16_part(seg_state[first + j, head, i, head_v + k])
+                    m_lo[i, k] = seg_state[first + j, head, i, head_v + k] - _bf16_part(seg_state[first + j, head, i, head_v + k])
+                for i, c in T.Parallel(head_k, BLOCK_COLS):
+                    s_hi[i, c] = _bf16_part(state[i, c])
+                    s_lo[i, c] = state[i, c] - _bf16_part(state[i, c])
+                # state <- h + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first).
+                T.copy(seg_state[first + j, head, 0:head_k, col:col + BLOCK_COLS], state)
+                T.gemm(m_lo, s_hi, state)
+                T.gemm(m_hi, s_lo, state)
+                T.gemm(m_hi, s_hi, state)
+                T.copy(state, seg_init[first + j + 1, head, 0:head_k, col:col + BLOCK_COLS])
+
+    return segment_scan

@@ -1,0 +1,75 @@
+"""Count the torch operators one API call dispatches on the host (kernels stubbed out).
+
+Runs on a CPU machine: inputs on the ``meta`` device, the TileLang kernels replaced by
+no-ops, so what is counted is our Python glue (validation, planning, the CP scan): each
+operator listed is roughly one extra kernel launch and 5-10 us of host time on a GPU host.
+
+    python3 scripts/host_op_count.py 2/8:1x2048 4/16:28672+4096 16/64:8192x4
+"""
+
+import collections
+import sys
+import time
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flash_gdn.api as api
+from flash_gdn import dispatch
+from flash_gdn.bench.rows import parse_lengths
+from flash_gdn.hopper import backward, context_parallel, forward, prepare_wu
+
+
+class Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def stub(*_args, **_kw):
+    return lambda *a, **k: None
+
+
+def main(specs, backward_too=True):
+    patches = [mock.patch.object(dispatch, "hopper_forward_supports", lambda q, p: (True, "stub")),
+               mock.patch.object(context_parallel, "num_sms", lambda i: 132),
+               mock.patch.object(torch.cuda, "current_device", lambda: 0)]
+    from flash_gdn.hopper import plan_kernels
+    for mod in (forward, prepare_wu, backward, plan_kernels):
+        for name in dir(mod):
+            if name.startswith("build_"):
+                patches.append(mock.patch.object(mod, name, stub))
+    dev = torch.device("meta")
+    import flash_gdn.planning as planning
+    # The meta device stands in for CUDA: take the device-planning path.
+    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None: planning._device_plan(b, t, cu, d, s)
+                                     if cu is not None else planning._batch_plan(b, t, d, s)))
+    for p in patches:
+        p.start()
+    for spec in specs:
+        heads, seqlens = spec.split(":")
+        hqk, hv = (int(x) for x in heads.split("/"))
+        lengths = parse_lengths(seqlens)
+        t = sum(lengths)
+        q = torch.empty(1, t, hqk, 128, device=dev, dtype=torch.bfloat16)
+        v = torch.empty(1, t, hv, 128, device=dev, dtype=torch.bfloat16)
+        g = torch.empty(1, t, hv, device=dev)
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist())).to(dev)
+        call = lambda: api.chunk_gated_delta_rule_fwd(q, q, v, g, g, cu_seqlens=cu)  # noqa: E731
+        call()
+        with Count() as c:
+            _, _, saved = call()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            call()
+        host = (time.perf_counter() - t0) / 20 * 1e6
+        print(f"{spec}: forward {sum(c.ops.values())} ops, {host:.0f} us host (meta): {dict(c.ops.most_common())}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["2/8:1x2048", "4/16:28672+4096", "16/64:8192x4"])

@@ -1,0 +1,45 @@
+"""GPU: the device planning kernels build exactly the torch-op plan (the reference)."""
+
+import pytest
+import torch
+
+from flash_gdn.planning import _device_plan, _torch_plan
+from tests.gpu_helpers import poisoned
+from tests.helpers import random_cu_seqlens
+
+pytestmark = pytest.mark.gpu
+
+CASES = {
+    "ragged": [1, 0, 64, 300, 5, 63, 129, 0, 1000],
+    "one_long": [70000],
+    "empty_only": [0, 0, 0],
+    "many_short": [int(x) for x in torch.randint(0, 200, (3000,), generator=torch.Generator().manual_seed(1))],
+    "long_and_short": [28672, 4096],
+}
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("seg_chunks", [None, 1, 3, 129])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_device_plan_equals_torch_plan(case, seg_chunks, index_dtype):
+    lengths = CASES[case]
+    t = sum(lengths)
+    cu = random_cu_seqlens(lengths, device="cuda", dtype=index_dtype)
+    with poisoned():
+        got = _device_plan(1, t, cu, torch.device("cuda"), seg_chunks)
+    want = _torch_plan(1, t, cu.cpu(), torch.device("cpu"), seg_chunks)
+    assert torch.equal(got.chunk_bounds.cpu(), want.chunk_bounds)
+    assert torch.equal(got.seq_info.cpu(), want.seq_info)
+    if seg_chunks is None:
+        assert got.segments is None
+        return
+    for field in ("seg_info", "transition_info", "seg_meta"):
+        assert torch.equal(getattr(got.segments, field).cpu(), getattr(want.segments, field)), field
+    assert got.segments.max_segs == want.segments.max_segs
+
+
+def test_device_plan_without_cu_seqlens_equals_batch_plan():
+    got = _device_plan(3, 1000, None, torch.device("cuda"), 4)
+    want = _torch_plan(3, 1000, None, torch.device("cpu"), 4)
+    assert torch.equal(got.chunk_bounds.cpu(), want.chunk_bounds)
+    assert torch.equal(got.segments.seg_info.cpu(), want.segments.seg_info)
