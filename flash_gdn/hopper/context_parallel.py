@@ -24,7 +24,6 @@ import torch
 from ..planning import SegmentPlan
 
 MIN_SEGMENT_CHUNKS = 16
-MIN_SEGMENTS_PER_SEQ = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,9 +34,15 @@ def num_sms(device_index: int) -> int:
 def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
     """Chunks per segment, or None when context parallelism would not help.
 
-    The transition pass runs (V + K) / 64 = 4 CTAs per segment and head, two per SM; the
-    output pass one CTA per segment and head. Aim both at about one wave:
-    segments x Hv ~ SMs / 2.
+    The output pass runs one CTA per segment and value head: aim at about one CTA per SM,
+    segments x Hv ~ SMs, with segments of at least ``MIN_SEGMENT_CHUNKS``. CP is off when
+    sequences x Hv already fill the SMs. Measured (H200, forward kernel time, best segment
+    size in chunks vs this rule): 2/8 x 1x32768 best 32 (rule 32); 2/8 x 8192x4 best 32
+    (rule 33); 4/16 x 16384+16384 and 28672+4096 best 64 (rule 65); 8/32 x 1x32768 and
+    16384+16384 best 128 (rule 129); 2/8 and 4/16 x 1x8192 best 16 (rule 16).
+    The segment lengths are set from shapes only (no host synchronisation), so with varlen
+    every sequence is cut at the same length: long ones into several segments, short ones
+    not at all (their transition pass is skipped: nothing follows a sequence's last segment).
     """
     if os.environ.get("FLASH_GDN_CP", "1") == "0":
         return None
@@ -45,11 +50,8 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     if forced:
         return max(1, int(forced))
     index = device.index if device.index is not None else torch.cuda.current_device()
-    target_segments = num_sms(index) // (2 * num_v_heads)
-    # The transition pass costs about as much per chunk as the output pass, so CP pays only
-    # when it cuts each sequence into several segments (H200: 2 segments per sequence at
-    # 2/8 x 8192x4 was slower, 1.16 vs ~0.9 ms; 8 segments at 2/8 x 1x32768 3x faster).
-    if target_segments < MIN_SEGMENTS_PER_SEQ * num_seqs:
+    target_segments = num_sms(index) // num_v_heads
+    if target_segments <= num_seqs:
         return None
     seg_chunks = max(MIN_SEGMENT_CHUNKS, -(-max_chunks // target_segments))
     if -(-max_chunks // seg_chunks) <= 1:

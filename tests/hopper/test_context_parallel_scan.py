@@ -37,3 +37,20 @@ def test_segment_count_bound_is_exact_for_equal_lengths():
     for batch, seq_len, cu in ((3, 700, None), (1, 1000, torch.tensor([0, 1000], dtype=torch.int32))):
         segs = plan_segments(batch, seq_len, cu, torch.device("cpu"), seg_chunks=3)
         assert int(segs.num_segs.min()) == int(segs.num_segs.max()) == segs.max_segs
+
+
+def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
+    from flash_gdn.hopper import context_parallel as cp
+
+    monkeypatch.setattr(cp, "num_sms", lambda index: 132)
+    monkeypatch.delenv("FLASH_GDN_CP", raising=False)
+    monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
+    dev = torch.device("cuda", 0)
+    assert cp.segment_chunks_for(1, 8, 512, dev) == 32  # 2/8 x 1x32768: 16 segments x 8 heads
+    assert cp.segment_chunks_for(2, 16, 514, dev) == 65  # 4/16 x 16384+16384 (varlen bound)
+    assert cp.segment_chunks_for(1, 32, 512, dev) == 128
+    assert cp.segment_chunks_for(1, 8, 33, dev) == 16  # short: at least 16 chunks per segment
+    assert cp.segment_chunks_for(4, 64, 512, dev) is None  # 16/64 x 8192x4 fills the SMs
+    assert cp.segment_chunks_for(1, 8, 16, dev) is None  # a single segment
+    monkeypatch.setenv("FLASH_GDN_CP", "0")
+    assert cp.segment_chunks_for(1, 8, 512, dev) is None
