@@ -7,18 +7,28 @@ dV_new and dh0), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
 ``qk_grads`` (dq and dk summed over each group of value heads with the L2 norm's backward,
 and dg). ``hopper_backward`` puts the results in the caller's dtypes and state layout.
 No host synchronisation.
+
+Context parallelism (DESIGN section 4) for the two sequential stages when sequences x heads
+underfill the GPU, with the forward's segments: ``chunk_states`` runs over segments from the
+scanned segment start states; ``state_grads`` is linear in its incoming gradient with the
+transposed transition (dS_start = M^T dS_end + b), so a first pass over every segment from
+zero gives b, a reverse scan gives each segment's dS_end, and a second pass writes dh and
+dV_new.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..planning import chunk_capacity
 from ..validation import Problem
 from .chunk_states import build_chunk_states
-from .context_parallel import num_sms
+from .context_parallel import backward_segment_chunks_for, num_sms
 from .local_dv import build_local_dv
 from .prepare_wu import run_prepare
 from .qk_grads import build_qk_grads
+from .segment_scan import build_segment_scan
+from .segment_state import build_segment_state
 from .state_grads import build_state_grads
 from .tiles import CHUNK, TL_DTYPE
 from .wy_grads import build_wy_grads
@@ -47,24 +57,34 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
     tl_dtype = TL_DTYPE[dtype]
     saved = saved or {}
-    prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2)
+    max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
+    seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
+    prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks)
     qf, kf, vf, bf, w, u, gamma = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.u, prep.gamma
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     del prep
     num_chunks = plan.chunk_bounds.shape[0]
     dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
-
+    # Context parallelism (as in the forward) when the plan has segments; a saved forward
+    # plan without them (CP was off then) runs without.
+    segs = plan.segments if seg_chunks is not None else None
+    runs = plan.seq_info if segs is None else segs.seg_info  # what the sequential stages walk
+    block_v = state_block_v(dv, runs.shape[0], hv, dev)
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    dht32 = None if dht is None else dht.to(torch.float32).contiguous()
     dh0 = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
-    block_v = state_block_v(dv, problem.num_seqs, hv, dev)
+    if segs is not None:
+        seg_state, run_init = _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, "h" not in saved, problem,
+                                                   tl_dtype)
     if "h" in saved:
         h, v_new = saved["h"], saved["v_new"]
     else:
         h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
         v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        init = h0 if segs is None else run_init
         # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
-        build_chunk_states(dk, dv, tl_dtype, h0 is not None, block_v)(
-            kf, w, u, gamma, k_norm_inv, plan.seq_info, dh0 if h0 is None else h0, h, v_new
+        build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)(
+            kf, w, u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
         )
     del u
 
@@ -73,11 +93,32 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
                                      dv_local)
     dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
     dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    dht32 = None if dht is None else dht.to(torch.float32).contiguous()
-    build_state_grads(dk, dv, tl_dtype, dht32 is not None, block_v)(
-        qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, plan.seq_info, dh0 if dht32 is None else dht32,
-        problem.scale, dh, dv_new, dh0,
-    )
+
+    def state_grads(info, incoming, start_grad):
+        # incoming: the gradient of each run's end state (None: zero); start_grad receives
+        # the gradient of each run's start state.
+        build_state_grads(dk, dv, tl_dtype, incoming is not None, block_v)(
+            qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, info, start_grad if incoming is None else incoming,
+            problem.scale, dh, dv_new, start_grad,
+        )
+
+    if segs is None:
+        state_grads(plan.seq_info, dht32, dh0)
+    else:
+        # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
+        # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
+        # (it overwrites the first pass's).
+        capacity = segs.seg_info.shape[0]
+        b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        state_grads(segs.seg_info, None, b)
+        ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        build_segment_scan(dk, dv, dht32 is not None, reverse=True)(
+            seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, ds_end
+        )
+        del seg_state
+        state_grads(segs.seg_info, ds_end, b)
+        dh0 = b[segs.first_seg]
+        del b, ds_end
     del w, dv_local
 
     dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
@@ -106,6 +147,23 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
                      chunk_bounds=plan.chunk_bounds, dk_wy=dk_wy.view(batch, seq_len, hv, dk),
                      dgamma_wy_chunks=dgamma_wy)
     return grads
+
+
+def _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, need_init, problem, tl_dtype):
+    """[h | M] of every segment (all of them: the reverse scan needs each M but the first's)
+    and, when the chunk states are recomputed (``need_init``), every segment's start state."""
+    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
+    capacity, dev = segs.seg_info.shape[0], kf.device
+    seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
+    # With saved chunk states U was dropped and only M is needed: W (same shape, K = V) stands
+    # in for U, and the h columns come out meaningless and unread.
+    build_segment_state(dk, dv, tl_dtype)(kf, w, u if need_init else w, gamma, k_norm_inv, segs.seg_info, seg_state)
+    if not need_init:
+        return seg_state, None
+    seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+    build_segment_scan(dk, dv, h0 is not None)(seg_state, seg_state, segs.seg_meta, seg_init if h0 is None else h0,
+                                                seg_init)
+    return seg_state, seg_init
 
 
 def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first,

@@ -59,6 +59,37 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     return seg_chunks
 
 
+BACKWARD_MIN_SEGMENT_CHUNKS = 32
+
+
+def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
+    """Chunks per segment for the backward's sequential stages, or None.
+
+    Those stages run two CTAs (64 state columns each) per sequence and value head, and CP
+    adds a transition pass, a second state-gradient pass and two scans whose steps are
+    sequential (~3-6 us each). Measured (H200): CP made 2/4 x 1x32768 1.9x faster (2.62 ->
+    1.35 ms) but 16/32 x 1x8192 and 8/16 x 16384+16384 slightly slower, so it is used only
+    where sequences x heads leave at least three quarters of the SMs idle, with segments of
+    at least ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks (fewer scan steps), three or more per
+    average sequence.
+    """
+    if os.environ.get("FLASH_GDN_CP", "1") == "0":
+        return None
+    forced = os.environ.get("FLASH_GDN_CP_SEGMENT_CHUNKS")
+    if forced:
+        return max(1, int(forced))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = num_sms(index)
+    if 2 * num_seqs * num_v_heads * 4 > sms:
+        return None
+    seg_chunks = max(BACKWARD_MIN_SEGMENT_CHUNKS, -(-max_chunks // (sms // (2 * num_v_heads))))
+    # Only when an average sequence is cut into at least three segments: with whole
+    # sequences as segments CP is all overhead (2/4 x 8k_4seq: 0.82x -> 0.64x of FLA).
+    if 3 * seg_chunks * num_seqs > max_chunks:
+        return None
+    return seg_chunks
+
+
 def segment_initial_states(seg_state: torch.Tensor, plan: SegmentPlan, initial_state: torch.Tensor | None,
                            head_v: int) -> torch.Tensor:
     """Initial state of every segment, ``[segments, Hv, K, V]`` fp32, by the sequential scan

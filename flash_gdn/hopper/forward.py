@@ -69,7 +69,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         # Without an initial state the scan is compiled not to read one (any buffer will do).
         build_segment_scan(dk, dv, h0 is not None)(
-            seg_state, segs.seg_meta, seg_init if h0 is None else h0, seg_init
+            seg_state, seg_state, segs.seg_meta, seg_init if h0 is None else h0, seg_init
         )
         seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         state_output(has_initial=True)(

@@ -30,8 +30,11 @@ BLOCK_COLS = 32
 
 
 @functools.lru_cache(maxsize=None)
-def build_segment_scan(head_k: int, head_v: int, has_initial: bool):
-    return _segment_scan_kernel(head_k, head_v, has_initial)
+def build_segment_scan(head_k: int, head_v: int, has_initial: bool, reverse: bool = False):
+    """Forward: ``(seg_state, seg_state, seg_meta, h0, seg_init)``, offsets h_s in
+    ``seg_state[..., :V]``. Reverse (``reverse``): ``(seg_state, b, seg_meta, dht, ds_end)``
+    with offsets ``b`` ``[S, Hv, K, V]``, see ``_segment_scan_kernel``."""
+    return _segment_scan_kernel(head_k, head_v, has_initial, reverse, head_v if reverse else head_v + head_k)
 
 
 def _bf16_part(x):
@@ -40,18 +43,27 @@ def _bf16_part(x):
 
 
 @tilelang.jit
-def _segment_scan_kernel(head_k, head_v, has_initial, threads=128):
+def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, threads=128):
+    """Forward: out[first] = init, out[s + 1] = M_s out[s] + off_s (first segment to last).
+
+    Reverse, for the backward's state gradient (dS_start = M^T dS_end + b over a segment,
+    since the reverse chunk step is the transpose of the forward one):
+    out[last] = init, out[s - 1] = M_s^T out[s] + off_s (last segment to first); out[s] is
+    the gradient of segment s's end state, off_s = b_s the gradient its own tokens give its
+    start state (``state_grads`` run over the segment from zero).
+    """
     num_segs_total = T.dynamic("num_segs_total")
     num_seqs = T.dynamic("num_seqs")
     num_v_heads = T.dynamic("num_v_heads")
-    h0_rows = T.dynamic("h0_rows")
+    init_rows = T.dynamic("init_rows")
 
     @T.prim_func
     def segment_scan(
         seg_state: T.Tensor((num_segs_total, num_v_heads, head_k, head_v + head_k), ACCUM),
+        offsets: T.Tensor((num_segs_total, num_v_heads, head_k, offset_cols), ACCUM),
         seg_meta: T.Tensor((num_seqs, 3), "int32"),
-        h0: T.Tensor((h0_rows, num_v_heads, head_k, head_v), ACCUM),
-        seg_init: T.Tensor((num_segs_total, num_v_heads, head_k, head_v), ACCUM),
+        init: T.Tensor((init_rows, num_v_heads, head_k, head_v), ACCUM),
+        out: T.Tensor((num_segs_total, num_v_heads, head_k, head_v), ACCUM),
     ):
         with T.Kernel(num_seqs, head_v // BLOCK_COLS, num_v_heads, threads=threads) as (seq, cb, head):
             m_hi = T.alloc_shared((head_k, head_k), ACCUM)
@@ -61,27 +73,29 @@ def _segment_scan_kernel(head_k, head_v, has_initial, threads=128):
             state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
             first = T.alloc_var("int32")
             count = T.alloc_var("int32")
+            seg = T.alloc_var("int32")
             col = cb * BLOCK_COLS
 
             first = seg_meta[seq, 0]
             count = seg_meta[seq, 1]
             if has_initial:
-                T.copy(h0[seq, head, 0:head_k, col:col + BLOCK_COLS], state)
+                T.copy(init[seq, head, 0:head_k, col:col + BLOCK_COLS], state)
             else:
                 T.clear(state)
-            T.copy(state, seg_init[first, head, 0:head_k, col:col + BLOCK_COLS])
+            T.copy(state, out[first + count - 1 if reverse else first, head, 0:head_k, col:col + BLOCK_COLS])
             for j in T.serial(count - 1):
+                seg = first + count - 1 - j if reverse else first + j  # the segment whose step this is
                 for i, k in T.Parallel(head_k, head_k):  # split while loading (no shared read-back)
-                    m_hi[i, k] = _bf16_part(seg_state[first + j, head, i, head_v + k])
-                    m_lo[i, k] = seg_state[first + j, head, i, head_v + k] - _bf16_part(seg_state[first + j, head, i, head_v + k])
+                    m_hi[i, k] = _bf16_part(seg_state[seg, head, i, head_v + k])
+                    m_lo[i, k] = seg_state[seg, head, i, head_v + k] - _bf16_part(seg_state[seg, head, i, head_v + k])
                 for i, c in T.Parallel(head_k, BLOCK_COLS):
                     s_hi[i, c] = _bf16_part(state[i, c])
                     s_lo[i, c] = state[i, c] - _bf16_part(state[i, c])
-                # state <- h + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first).
-                T.copy(seg_state[first + j, head, 0:head_k, col:col + BLOCK_COLS], state)
-                T.gemm(m_lo, s_hi, state)
-                T.gemm(m_hi, s_lo, state)
-                T.gemm(m_hi, s_hi, state)
-                T.copy(state, seg_init[first + j + 1, head, 0:head_k, col:col + BLOCK_COLS])
+                # state <- off + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first; M^T in reverse).
+                T.copy(offsets[seg, head, 0:head_k, col:col + BLOCK_COLS], state)
+                T.gemm(m_lo, s_hi, state, transpose_A=reverse)
+                T.gemm(m_hi, s_lo, state, transpose_A=reverse)
+                T.gemm(m_hi, s_hi, state, transpose_A=reverse)
+                T.copy(state, out[seg - 1 if reverse else seg + 1, head, 0:head_k, col:col + BLOCK_COLS])
 
     return segment_scan

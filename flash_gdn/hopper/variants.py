@@ -37,7 +37,8 @@ def kernel_builders(head_dim: int, dtype: str):
                  for gd in gate_dtypes]
     builders.append((f"segment_state[{dtype}]", lambda: build_segment_state(d, d, dtype)))
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
-        builders += [(f"segment_scan[h0={h0}]", lambda h0=h0: build_segment_scan(d, d, h0)) for h0 in (False, True)]
+        builders += [(f"segment_scan[init={init},reverse={rev}]", lambda init=init, rev=rev: build_segment_scan(d, d, init, rev))
+                     for init, rev in itertools.product((False, True), (False, True))]
     builders += [(f"state_output[{dtype},h0={h0},store={store}]",
                   lambda h0=h0, store=store: build_state_output(d, d, dtype, h0, d, store))
                  for h0, store in itertools.product((False, True), (False, True))]

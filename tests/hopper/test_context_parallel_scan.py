@@ -54,3 +54,19 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(1, 8, 16, dev) is None  # a single segment
     monkeypatch.setenv("FLASH_GDN_CP", "0")
     assert cp.segment_chunks_for(1, 8, 512, dev) is None
+
+
+def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkeypatch):
+    from flash_gdn.hopper import context_parallel as cp
+
+    monkeypatch.setattr(cp, "num_sms", lambda index: 132)
+    monkeypatch.delenv("FLASH_GDN_CP", raising=False)
+    monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
+    dev = torch.device("cuda", 0)
+    assert cp.backward_segment_chunks_for(1, 4, 512, dev) == 32  # 2/4 x 32k: 16 segments
+    assert cp.backward_segment_chunks_for(1, 8, 512, dev) == 64
+    assert cp.backward_segment_chunks_for(1, 32, 128, dev) is None  # 16/32 x 8k
+    assert cp.backward_segment_chunks_for(2, 16, 514, dev) is None  # 8/16 x 2 sequences
+    assert cp.backward_segment_chunks_for(1, 4, 32, dev) is None  # one segment
+    assert cp.backward_segment_chunks_for(4, 4, 132, dev) is None  # 2/4 x 8k_4seq: whole sequences
+    assert cp.backward_segment_chunks_for(2, 8, 514, dev) == 65  # 4/8 x 32k_2seq

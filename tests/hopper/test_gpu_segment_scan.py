@@ -31,7 +31,7 @@ def test_scan_kernel_matches_reference(has_h0):
     expected = segment_initial_states(seg_state, segs, h0, d)
     with poisoned():
         out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
-        build_segment_scan(d, d, has_h0)(seg_state.float(), segs.seg_meta,
+        build_segment_scan(d, d, has_h0)(seg_state.float(), seg_state.float(), segs.seg_meta,
                                          (h0 if has_h0 else out).float(), out)
     # Only segments that belong to a sequence are defined.
     used = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(segs.first_seg.cpu(), segs.num_segs.cpu())])
@@ -39,3 +39,25 @@ def test_scan_kernel_matches_reference(has_h0):
     assert torch.isfinite(got).all()
     # fp32-level: ~24 steps of a product kept to ~1e-5 per step (segment_scan.py).
     assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
+
+@pytest.mark.parametrize("has_dht", [False, True])
+def test_reverse_scan_kernel_matches_loop(has_dht):
+    """out[last] = dht, out[s - 1] = M_s^T out[s] + b_s (the backward's state-gradient scan)."""
+    lengths = [3000, 0, 129, 1, 700]
+    cu = random_cu_seqlens(lengths, device="cuda")
+    segs = plan_segments(1, sum(lengths), cu, torch.device("cuda"), seg_chunks=2)
+    hv, d = 2, 128
+    seg_state = _transitions(segs.seg_info.shape[0], hv, d, d)
+    b = torch.randn(seg_state.shape[0], hv, d, d, device="cuda", dtype=torch.float64)
+    dht = torch.randn(len(lengths), hv, d, d, device="cuda", dtype=torch.float64) if has_dht else None
+    with poisoned():
+        out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
+        build_segment_scan(d, d, has_dht, reverse=True)(seg_state.float(), b.float(), segs.seg_meta,
+                                                         (dht if has_dht else out).float(), out)
+    for n in range(len(lengths)):
+        first, count = int(segs.first_seg[n]), int(segs.num_segs[n])
+        want = dht[n] if has_dht else torch.zeros(hv, d, d, device="cuda", dtype=torch.float64)
+        for s in range(first + count - 1, first - 1, -1):
+            assert rel_err(out[s], want) <= 1e-4, (n, s)
+            want = seg_state[s, ..., d:].transpose(-1, -2) @ want + b[s]
