@@ -4,7 +4,7 @@ Runs on a CPU machine: inputs on the ``meta`` device, the TileLang kernels repla
 no-ops, so what is counted is our Python glue (validation, planning, the CP scan): each
 operator listed is roughly one extra kernel launch and 5-10 us of host time on a GPU host.
 
-    python3 scripts/host_op_count.py 2/8:1x2048 4/16:28672+4096 16/64:8192x4
+    python3 scripts/host_op_count.py 2/8:1x2048 4/16:28672+4096 16/64:8192x4   # forward, then backward
 """
 
 import collections
@@ -47,6 +47,7 @@ def main(specs, backward_too=True):
     dev = torch.device("meta")
     import flash_gdn.planning as planning
     # The meta device stands in for CUDA: take the device-planning path.
+    patches.append(mock.patch.object(backward, "num_sms", lambda i: 132))
     patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None: planning._device_plan(b, t, cu, d, s)
                                      if cu is not None else planning._batch_plan(b, t, d, s)))
     for p in patches:
@@ -69,6 +70,11 @@ def main(specs, backward_too=True):
             call()
         host = (time.perf_counter() - t0) / 20 * 1e6
         print(f"{spec}: forward {sum(c.ops.values())} ops, {host:.0f} us host (meta): {dict(c.ops.most_common())}")
+        if backward_too:
+            do = torch.empty_like(v)
+            with Count() as c:
+                api.chunk_gated_delta_rule_bwd(do, None, saved)
+            print(f"{spec}: backward {sum(c.ops.values())} ops: {dict(c.ops.most_common())}")
 
 
 if __name__ == "__main__":
