@@ -9,25 +9,9 @@ per segment (FLASH_GDN_CP_SEGMENT_CHUNKS). Prints one line per (row, setting), i
 import os
 import sys
 
-import torch
-
 from flash_gdn import chunk_gated_delta_rule
-from flash_gdn.bench.rows import parse_lengths
 from flash_gdn.bench.timing import eager_time_ms, graph_time_ms, kernel_time_ms
-
-
-def inputs(spec):
-    heads, seqlens = spec.split(":")
-    hqk, hv = (int(x) for x in heads.split("/"))
-    lengths = parse_lengths(seqlens)
-    t, d = sum(lengths), 128
-    q = torch.nn.functional.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).to(torch.bfloat16)
-    k = torch.nn.functional.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).to(torch.bfloat16)
-    v = torch.randn(1, t, hv, d, device="cuda", dtype=torch.bfloat16)
-    g = torch.nn.functional.logsigmoid(torch.randn(1, t, hv, device="cuda"))
-    beta = torch.rand(1, t, hv, device="cuda")
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu)
+from profile_kernels import row_inputs  # scripts/ is on sys.path when run as a script
 
 
 def apply(setting):
@@ -41,7 +25,7 @@ def main(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     rows, settings = argv[:split], argv[split + 1:] or ["off", "auto"]
     for spec in rows:
-        x = inputs(spec)
+        x = row_inputs(spec)
         step = lambda: chunk_gated_delta_rule(**x)  # noqa: E731
         for setting in settings:
             apply(setting)

@@ -13,7 +13,8 @@ from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_
 from flash_gdn.bench.rows import parse_lengths
 
 
-def profile_row(spec: str, backward: bool, iters: int = 5) -> None:
+def row_inputs(spec: str) -> dict:
+    """Random bf16 inputs (K = V = 128, packed with cu_seqlens) for a row spec ``hqk/hv:seqlens``."""
     heads, seqlens = spec.split(":")
     hqk, hv = (int(x) for x in heads.split("/"))
     lengths = parse_lengths(seqlens)
@@ -23,13 +24,18 @@ def profile_row(spec: str, backward: bool, iters: int = 5) -> None:
     v = torch.randn(1, t, hv, d, device="cuda", dtype=torch.bfloat16)
     g = torch.nn.functional.logsigmoid(torch.randn(1, t, hv, device="cuda"))
     beta = torch.rand(1, t, hv, device="cuda")
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu)
+
+
+def profile_row(spec: str, backward: bool, iters: int = 5) -> None:
+    x = row_inputs(spec)
     if backward:
-        _, _, saved = chunk_gated_delta_rule_fwd(q, k, v, g, beta, cu_seqlens=cu)
-        do = torch.randn_like(v)
+        _, _, saved = chunk_gated_delta_rule_fwd(**x)
+        do = torch.randn_like(x["v"])
         step = lambda: chunk_gated_delta_rule_bwd(do, None, saved)  # noqa: E731
     else:
-        step = lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)  # noqa: E731
+        step = lambda: chunk_gated_delta_rule(**x)  # noqa: E731
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

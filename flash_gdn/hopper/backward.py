@@ -72,7 +72,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     block_v = state_block_v(dv, runs.shape[0], hv, dev)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     dht32 = None if dht is None else dht.to(torch.float32).contiguous()
-    dh0 = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
+    # Without CP, state_grads writes dh0 (and it stands in for absent optional arguments);
+    # with CP it is gathered from the segments' start gradients.
+    dh0 = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev) if segs is None else None
     if segs is not None:
         seg_state, run_init = _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, "h" not in saved, problem,
                                                    tl_dtype)

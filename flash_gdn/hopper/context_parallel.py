@@ -31,6 +31,21 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _overridden() -> bool:
+    return os.environ.get("FLASH_GDN_CP", "1") == "0" or bool(os.environ.get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
+
+
+def _override() -> int | None:
+    """The environment's choice: None (``FLASH_GDN_CP=0``) or forced chunks per segment."""
+    if os.environ.get("FLASH_GDN_CP", "1") == "0":
+        return None
+    return max(1, int(os.environ["FLASH_GDN_CP_SEGMENT_CHUNKS"]))
+
+
+def _sm_count(device: torch.device) -> int:
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
     """Chunks per segment, or None when context parallelism would not help.
 
@@ -44,13 +59,9 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     every sequence is cut at the same length: long ones into several segments, short ones
     not at all (their transition pass is skipped: nothing follows a sequence's last segment).
     """
-    if os.environ.get("FLASH_GDN_CP", "1") == "0":
-        return None
-    forced = os.environ.get("FLASH_GDN_CP_SEGMENT_CHUNKS")
-    if forced:
-        return max(1, int(forced))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    target_segments = num_sms(index) // num_v_heads
+    if _overridden():
+        return _override()
+    target_segments = _sm_count(device) // num_v_heads
     if target_segments <= num_seqs:
         return None
     seg_chunks = max(MIN_SEGMENT_CHUNKS, -(-max_chunks // target_segments))
@@ -73,13 +84,9 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
     at least ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks (fewer scan steps), three or more per
     average sequence.
     """
-    if os.environ.get("FLASH_GDN_CP", "1") == "0":
-        return None
-    forced = os.environ.get("FLASH_GDN_CP_SEGMENT_CHUNKS")
-    if forced:
-        return max(1, int(forced))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = num_sms(index)
+    if _overridden():
+        return _override()
+    sms = _sm_count(device)
     if 2 * num_seqs * num_v_heads * 4 > sms:
         return None
     seg_chunks = max(BACKWARD_MIN_SEGMENT_CHUNKS, -(-max_chunks // (sms // (2 * num_v_heads))))
