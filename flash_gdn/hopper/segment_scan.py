@@ -10,13 +10,14 @@ sequence's segments on the device (first segment and count from ``SegmentPlan.se
 the host needs no bound and launches once.
 
 The transition matrices stay in fp32 (nothing is truncated for heads whose gates do not
-decay). The tensor cores multiply tf32, which keeps 10 mantissa bits, so each fp32 operand is
-split into a part exact in bf16 (8 bits, hence exact in tf32) and the fp32 remainder:
+decay). The tensor cores multiply bf16 at full rate, so each fp32 operand is split into its
+bf16 rounding and the bf16 rounding of the remainder, x ~ x_hi + x_lo with
+|x - x_hi - x_lo| <~ 2^-16 |x|, and
 
-    M S ~ M_hi S_hi + M_hi S_lo + M_lo S_hi
+    M S ~ M_hi S_hi + M_hi S_lo + M_lo S_hi          (fp32 accumulation)
 
-The dropped M_lo S_lo is ~2^-16 of |M| |S| and the remainders lose ~2^-19 to tf32: about
-1e-5 relative per step, far below the bf16 rounding of the kernels' inputs.
+The dropped M_lo S_lo and the roundings are ~2^-16 of |M| |S|: about 1e-5 relative per
+step, far below the bf16 rounding of the kernels' inputs.
 """
 
 import functools
@@ -37,9 +38,17 @@ def build_segment_scan(head_k: int, head_v: int, has_initial: bool, reverse: boo
     return _segment_scan_kernel(head_k, head_v, has_initial, reverse, head_v if reverse else head_v + head_k)
 
 
-def _bf16_part(x):
-    """x rounded to bf16, kept in fp32 (exact in tf32)."""
-    return T.cast(T.cast(x, "bfloat16"), ACCUM)
+SPLIT = "bfloat16"
+
+
+def _hi(x):
+    """x rounded to bf16."""
+    return T.cast(x, SPLIT)
+
+
+def _lo(x):
+    """The remainder x - bf16(x) (exact in fp32), rounded to bf16."""
+    return T.cast(x - T.cast(T.cast(x, SPLIT), ACCUM), SPLIT)
 
 
 @tilelang.jit
@@ -66,10 +75,10 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
         out: T.Tensor((num_segs_total, num_v_heads, head_k, head_v), ACCUM),
     ):
         with T.Kernel(num_seqs, head_v // BLOCK_COLS, num_v_heads, threads=threads) as (seq, cb, head):
-            m_hi = T.alloc_shared((head_k, head_k), ACCUM)
-            m_lo = T.alloc_shared((head_k, head_k), ACCUM)
-            s_hi = T.alloc_shared((head_k, BLOCK_COLS), ACCUM)
-            s_lo = T.alloc_shared((head_k, BLOCK_COLS), ACCUM)
+            m_hi = T.alloc_shared((head_k, head_k), SPLIT)
+            m_lo = T.alloc_shared((head_k, head_k), SPLIT)
+            s_hi = T.alloc_shared((head_k, BLOCK_COLS), SPLIT)
+            s_lo = T.alloc_shared((head_k, BLOCK_COLS), SPLIT)
             state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
             first = T.alloc_var("int32")
             count = T.alloc_var("int32")
@@ -86,11 +95,11 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
             for j in T.serial(count - 1):
                 seg = first + count - 1 - j if reverse else first + j  # the segment whose step this is
                 for i, k in T.Parallel(head_k, head_k):  # split while loading (no shared read-back)
-                    m_hi[i, k] = _bf16_part(seg_state[seg, head, i, head_v + k])
-                    m_lo[i, k] = seg_state[seg, head, i, head_v + k] - _bf16_part(seg_state[seg, head, i, head_v + k])
+                    m_hi[i, k] = _hi(seg_state[seg, head, i, head_v + k])
+                    m_lo[i, k] = _lo(seg_state[seg, head, i, head_v + k])
                 for i, c in T.Parallel(head_k, BLOCK_COLS):
-                    s_hi[i, c] = _bf16_part(state[i, c])
-                    s_lo[i, c] = state[i, c] - _bf16_part(state[i, c])
+                    s_hi[i, c] = _hi(state[i, c])
+                    s_lo[i, c] = _lo(state[i, c])
                 # state <- off + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first; M^T in reverse).
                 T.copy(offsets[seg, head, 0:head_k, col:col + BLOCK_COLS], state)
                 T.gemm(m_lo, s_hi, state, transpose_A=reverse)
