@@ -15,6 +15,7 @@ from .prepare_wu import run_prepare
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_output import build_state_output
+from .state_output_vmajor import build_state_output_vmajor
 from .tiles import TL_DTYPE
 
 
@@ -43,23 +44,25 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
         h0 = h0.to(torch.float32).contiguous()
     o = torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device)
+    saved = ()  # (h, v_new): every chunk's start state and V_new, written for the backward
     if save_states:
-        h = torch.empty(plan.chunk_bounds.shape[0], hv, dk, dv, dtype=q.dtype, device=q.device)
-        v_new = torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device)
-    else:  # not written by the kernel compiled without store_states
-        h, v_new = torch.empty(1, hv, dk, dv, dtype=q.dtype, device=q.device), o
+        saved = (torch.empty(plan.chunk_bounds.shape[0], hv, dk, dv, dtype=q.dtype, device=q.device),
+                 torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device))
 
     def state_output(has_initial):
         # Block of all of V: two consumer warpgroups share one sequence and head (faster than
         # two CTAs of 64 columns even when the GPU is underfilled: 6.1 vs 6.9 us per chunk, H200).
-        return build_state_output(dk, dv, tl_dtype, has_initial, dv, save_states)
+        if save_states:  # writes h and V_new too
+            return build_state_output(dk, dv, tl_dtype, has_initial, dv, True)
+        # The state as a register operand (no shared-memory round trip per chunk).
+        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial)
 
     if seg_chunks is None:
         final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
         # Without an initial state the kernel is compiled not to read one (any buffer will do).
         state_output(has_initial=h0 is not None)(
             qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, plan.seq_info, final_state if h0 is None else h0,
-            problem.scale, o, final_state, h, v_new,
+            problem.scale, o, final_state, *saved,
         )
     else:
         segs = plan.segments
@@ -73,7 +76,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         )
         seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         state_output(has_initial=True)(
-            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final, h, v_new
+            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final, *saved
         )
         final_state = seg_final[segs.last_seg] if output_final_state else None
 
@@ -81,6 +84,6 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
     else:
         final_state = None
-    extras = dict(prepared=prep._replace(u=None), h=h, v_new=v_new) if save_states else {}
+    extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1]) if save_states else {}
     return o.view(batch, seq_len, hv, dv), final_state, extras
 

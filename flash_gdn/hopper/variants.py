@@ -19,6 +19,7 @@ from .segment_state import build_segment_state
 from .state_grads import build_state_grads
 from .wy_grads import build_wy_grads
 from .state_output import build_state_output
+from .state_output_vmajor import build_state_output_vmajor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
@@ -42,6 +43,8 @@ def kernel_builders(head_dim: int, dtype: str):
     builders += [(f"state_output[{dtype},h0={h0},store={store}]",
                   lambda h0=h0, store=store: build_state_output(d, d, dtype, h0, d, store))
                  for h0, store in itertools.product((False, True), (False, True))]
+    builders += [(f"state_output_vmajor[{dtype},h0={h0}]", lambda h0=h0: build_state_output_vmajor(d, d, dtype, h0))
+                 for h0 in (False, True)]
     return builders
 
 

@@ -52,3 +52,15 @@ def test_tiles_read_by_async_products_are_released_after_the_wait(name):
     read_after_wait = tail.find("sink = ")
     release = tail.find(".arrive();")
     assert 0 <= read_after_wait < release, f"{name}: a tile is released before its products have finished"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("state_output_vmajor")))
+def test_vmajor_state_is_a_register_operand(name):
+    """The V-major forward feeds its state to wgmma from registers (wgmma with an RS operand)
+    and never stages it in shared memory: only P^T and the output tile are stored there."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    assert source.count("tl::wgmma_rs<") >= 4, f"{name}: products with the state or V_new not from registers"
+    assert "state_s" not in source and "vn_s" not in source

@@ -1,0 +1,179 @@
+"""Forward stage 2, V-major: the state recurrence and output with the state as a register operand.
+
+Same recurrence as ``state_output`` (DESIGN section 2, W and U from ``prepare_wu``), computed
+transposed, so that the state never goes through shared memory. The CTA of a (sequence, value
+head) holds S^T [V, K] in fp32 registers, the V rows split over its consumer warpgroups (64
+rows each), and feeds its bf16 copy straight to wgmma as the A operand (DESIGN section 6,
+direction 1). Per chunk:
+
+    V_new^T = U^T - S^T W^T                               (A = -S^T from registers)
+    O^T     = (S^T Q^T) diag(scale d_q) + V_new^T P^T,   P^T = K Q^T masked and scaled
+    S^T     = e^gamma_C S^T + (V_new^T diag(e^(gamma_C - gamma))) K
+
+The last product's A operand is V_new^T, weighted by columns, again from registers; the state
+update is issued as soon as V_new is known, so P, the output and its store overlap the
+product that the next chunk waits for. Only P^T (8 KB) and the output tile (for its TMA store)
+go through shared memory.
+
+Columns of V_new^T past the end of a sequence hold finite values from the next sequence's
+rows (or the zeros of a bulk copy past the tensor): their state weights are zero, and P^T
+pairs them only with output rows past the end, which are not written. Every exponent is
+<= 0 (the causal select drops the upper triangle before it can overflow).
+
+Head sizes: V rows in one CTA (64 or 128, one consumer warpgroup per 64 rows), K = 64 or 128.
+The backward's saved-state mode (``store_states``) stays on ``state_output``.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .tiles import ACCUM, CHUNK
+
+# Every warpgroup owns 64 rows of V in all register-operand products (its rows of S^T stay its own).
+ROWS = T.GemmWarpPolicy.FullRow
+
+
+@functools.lru_cache(maxsize=None)
+def build_state_output_vmajor(head_k: int, head_v: int, dtype: str, has_initial: bool, num_stages: int = 2):
+    return _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages)
+
+
+@tilelang.jit
+def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunks = T.dynamic("num_chunks")
+    threads = 128 * (head_v // 64)
+
+    @T.prim_func
+    def state_output_vmajor(
+        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        seq_info: T.Tensor((num_seqs, 3), "int32"),
+        initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        scale: T.float32,
+        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+    ):
+        with T.Kernel(num_seqs, num_v_heads, threads=threads) as (seq, head):
+            q_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            w_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            u_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            pt_s = T.alloc_shared((CHUNK, CHUNK), dtype)
+            o_s = T.alloc_shared((CHUNK, head_v), dtype)
+            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            q_inv = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
+            q_scale = T.alloc_shared((CHUNK,), ACCUM)
+            k_scale = T.alloc_shared((CHUNK,), ACCUM)
+            q_col = T.alloc_shared((CHUNK,), ACCUM)
+            state_t = T.alloc_fragment((head_v, head_k), ACCUM)  # S^T
+            state_neg = T.alloc_fragment((head_v, head_k), dtype)  # -S^T, the A operand
+            vn_t = T.alloc_fragment((head_v, CHUNK), ACCUM)  # V_new^T
+            vn_a = T.alloc_fragment((head_v, CHUNK), dtype)
+            vnw_a = T.alloc_fragment((head_v, CHUNK), dtype)  # V_new^T diag(e^(gamma_C - gamma) d_k)
+            out_t = T.alloc_fragment((head_v, CHUNK), ACCUM)  # O^T
+            pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # P^T [j, i]
+            seq_start = T.alloc_var("int32")
+            seq_end = T.alloc_var("int32")
+            first_chunk = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
+            gamma_last = T.alloc_var(ACCUM)
+            decay = T.alloc_var(ACCUM)
+            qk_head = T.alloc_var("int32")
+            sink = T.alloc_var(dtype)
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(240)
+
+            qk_head = head // (num_v_heads // num_qk_heads)
+            seq_start = seq_info[seq, 0]
+            seq_end = seq_info[seq, 1]
+            first_chunk = seq_info[seq, 2]
+            if has_initial:
+                for v, i in T.Parallel(head_v, head_k):
+                    state_t[v, i] = initial_state[seq, head, i, v]
+            else:
+                T.clear(state_t)
+
+            for c in T.Pipelined(T.ceildiv(seq_end - seq_start, CHUNK), num_stages=num_stages):
+                T.copy(q[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], q_tile)
+                T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
+                T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_v], u_tile)
+                T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
+                T.copy(q_norm_inv[qk_head, first_chunk + c, 0:CHUNK], q_inv)
+                T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
+                start = seq_start + c * CHUNK
+                length = T.min(seq_end - start, CHUNK)
+                gamma_last = gamma_s[length - 1]
+
+                # The three products that need only S: U^T - S^T W^T first (everything after
+                # waits for it), then P^T = K Q^T and S^T Q^T (unscaled; the factors go on
+                # their accumulators' columns below).
+                for v, i in T.Parallel(head_v, head_k):
+                    state_neg[v, i] = T.cast(-state_t[v, i], dtype)
+                for v, i in T.Parallel(head_v, CHUNK):
+                    vn_t[v, i] = T.cast(u_tile[i, v], ACCUM)
+                T.wgmma_gemm(state_neg, w_tile, vn_t, transpose_B=True, policy=ROWS)
+                T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                # Column factors (fast exp: every argument is <= 0; gamma is constant past the end).
+                for i in T.Parallel(CHUNK):
+                    q_scale[i] = -T.__exp(gamma_s[i]) * scale * q_inv[i]  # minus: out_t holds -S^T Q^T
+                    q_col[i] = scale * q_inv[i]
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+                decay = T.__exp(gamma_last)
+
+                # State update as soon as V_new is known: S^T = e^gamma_C S^T + (V_new^T diag(k_scale)) K.
+                T.wait_wgmma(2)
+                if length < 0:  # never: a read after the wait, so w_tile is released to the producer only now
+                    sink = w_tile[0, 0]
+                for v, i in T.Parallel(head_v, CHUNK):
+                    vnw_a[v, i] = T.cast(vn_t[v, i] * k_scale[i], dtype)
+                for v, i in T.Parallel(head_v, head_k):
+                    state_t[v, i] = state_t[v, i] * decay
+                T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
+                for v, i in T.Parallel(head_v, CHUNK):
+                    vn_a[v, i] = T.cast(vn_t[v, i], dtype)
+
+                # P^T[j, i] = scale e^(gamma_i - gamma_j) d_q[i] d_k[j] (K Q^T)[j, i] for i >= j.
+                T.wait_wgmma(2)
+                for j, i in T.Parallel(CHUNK, CHUNK):
+                    pt[j, i] = T.Select(
+                        i >= j, pt[j, i] * T.__exp(gamma_s[i] - gamma_s[j]) * q_col[i] * k_inv[j], T.cast(0, ACCUM)
+                    )
+                T.copy(pt, pt_s)
+                # O^T = (S^T Q^T) diag(q_scale) + V_new^T P^T.
+                T.wait_wgmma(1)
+                if length < 0:  # never: q_tile is released only after the products reading it are done
+                    sink = q_tile[0, 0]
+                for v, i in T.Parallel(head_v, CHUNK):
+                    out_t[v, i] = out_t[v, i] * q_scale[i]
+                T.wgmma_gemm(vn_a, pt_s, out_t, policy=ROWS)
+                T.wait_wgmma(0)
+                if length < 0:  # never: same for k_tile
+                    sink = k_tile[0, 0]
+                for v, i in T.Parallel(head_v, CHUNK):
+                    o_s[i, v] = out_t[v, i]
+                if length == CHUNK:  # a whole chunk: one TMA store
+                    T.copy(o_s, o[start:start + CHUNK, head, 0:head_v])
+                else:  # a sequence's last, partial chunk: the rows after it are another sequence's
+                    for i, v in T.Parallel(CHUNK, head_v):
+                        if i < length:
+                            o[start + i, head, v] = o_s[i, v]
+
+            for v, i in T.Parallel(head_v, head_k):
+                final_state[seq, head, i, v] = state_t[v, i]
+
+    return state_output_vmajor
