@@ -28,6 +28,7 @@ import functools
 
 import tilelang
 import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout
 
 from .tiles import ACCUM, CHUNK
 
@@ -84,6 +85,11 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
             vnw_a = T.alloc_fragment((head_v, CHUNK), dtype)  # V_new^T diag(e^(gamma_C - gamma) d_k)
             out_t = T.alloc_fragment((head_v, CHUNK), ACCUM)  # O^T
             pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # P^T [j, i]
+            # Per-column and per-row factors of P^T in registers (each thread loads its own).
+            g_col = T.alloc_fragment((CHUNK,), ACCUM)
+            g_row = T.alloc_fragment((CHUNK,), ACCUM)
+            qc_col = T.alloc_fragment((CHUNK,), ACCUM)
+            kinv_row = T.alloc_fragment((CHUNK,), ACCUM)
             seq_start = T.alloc_var("int32")
             seq_end = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")
@@ -93,6 +99,9 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
             decay = T.alloc_var(ACCUM)
             qk_head = T.alloc_var("int32")
             sink = T.alloc_var(dtype)
+            # U is read transposed (column pairs of 8 rows apart per warp): a 128-byte swizzle puts
+            # those rows in different banks (unswizzled 256-byte rows conflict 4-way).
+            T.annotate_layout({u_tile: make_full_bank_swizzled_layout(u_tile)})
             T.annotate_producer_reg_dealloc(24)
             T.annotate_consumer_reg_alloc(240)
 
@@ -149,9 +158,15 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
 
                 # P^T[j, i] = scale e^(gamma_i - gamma_j) d_q[i] d_k[j] (K Q^T)[j, i] for i >= j.
                 T.wait_wgmma(2)
+                for i in T.Parallel(CHUNK):
+                    g_col[i] = gamma_s[i]
+                    qc_col[i] = q_col[i]
+                for j in T.Parallel(CHUNK):
+                    g_row[j] = gamma_s[j]
+                    kinv_row[j] = k_inv[j]
                 for j, i in T.Parallel(CHUNK, CHUNK):
                     pt[j, i] = T.Select(
-                        i >= j, pt[j, i] * T.__exp(gamma_s[i] - gamma_s[j]) * q_col[i] * k_inv[j], T.cast(0, ACCUM)
+                        i >= j, pt[j, i] * T.__exp(g_col[i] - g_row[j]) * qc_col[i] * kinv_row[j], T.cast(0, ACCUM)
                     )
                 T.copy(pt, pt_s)
                 # O^T = (S^T Q^T) diag(q_scale) + V_new^T P^T.
