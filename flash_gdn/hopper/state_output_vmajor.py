@@ -18,7 +18,7 @@ go through shared memory.
 Columns of V_new^T past the end of a sequence hold finite values from the next sequence's
 rows (or the zeros of a bulk copy past the tensor): their state weights are zero, and P^T
 pairs them only with output rows past the end, which are not written. Every exponent is
-<= 0 (the causal select drops the upper triangle before it can overflow).
+<= 0 (above the diagonal of P it is clamped to 0, and the causal mask zeroes the entry).
 
 Head sizes: V rows in one CTA (64 or 128, one consumer warpgroup per 64 rows), K = 64 or 128.
 The backward's saved-state mode (``store_states``) stays on ``state_output``.
@@ -164,10 +164,11 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
                 for j in T.Parallel(CHUNK):
                     g_row[j] = gamma_s[j]
                     kinv_row[j] = k_inv[j]
+                # Branch-free: the exponent is clamped to <= 0 (so nothing overflows) and the causal
+                # mask multiplies (a select of a costly expression compiles to a divergent branch).
                 for j, i in T.Parallel(CHUNK, CHUNK):
-                    pt[j, i] = T.Select(
-                        i >= j, pt[j, i] * T.__exp(g_col[i] - g_row[j]) * qc_col[i] * kinv_row[j], T.cast(0, ACCUM)
-                    )
+                    pt[j, i] = (pt[j, i] * T.__exp(T.min(g_col[i] - g_row[j], T.cast(0, ACCUM)))
+                                * qc_col[i] * kinv_row[j] * T.cast(i >= j, ACCUM))
                 T.copy(pt, pt_s)
                 # O^T = (S^T Q^T) diag(q_scale) + V_new^T P^T.
                 T.wait_wgmma(1)
