@@ -15,7 +15,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import ACCUM, CHUNK
+from .tiles import ACCUM, CHUNK, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,11 +67,11 @@ def _local_dv_kernel(head_k, head_v, dtype, threads=128):
                 T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
                 T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    m_s[i, j] = T.if_then_else(
+                    m_s[i, j] = T.cast(T.if_then_else(
                         i >= j and i < length,
-                        T.cast(qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * (scale * q_inv[i] * k_inv[j]), dtype),
-                        T.cast(0, dtype),
-                    )
+                        qk[i, j] * (scale * q_inv[i] * k_inv[j]),
+                        T.cast(0, ACCUM),
+                    ) * pair_decay(gamma_s[i], gamma_s[j]), dtype)
                 T.gemm(m_s, do_tile, acc, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, head_v):
                     if i < length:

@@ -25,7 +25,7 @@ import tilelang.language as T
 import torch
 
 from ..planning import ChunkPlan, plan_for
-from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype
+from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,12 +121,12 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                 blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
 
                 # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
-                # lower triangles (above the diagonal e^(gamma_i - gamma_j) may overflow; the select drops it).
+                # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    kkt[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j] * k_inv[j], T.cast(0, ACCUM))
+                    kkt[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j] * k_inv[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
                 T.copy(kkt, a_w)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    inv[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], T.cast(0, ACCUM))
+                    inv[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(inv, a_u)
 
                 # W, then U, each staged in the tile it was made from (free once its product is

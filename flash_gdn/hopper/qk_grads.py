@@ -25,7 +25,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import ACCUM, CHUNK
+from .tiles import ACCUM, CHUNK, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,10 +147,10 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     # dM, dQK and the dgamma terms of M.
                     T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
                     T.gemm(do_tile, vn_tile, dm, transpose_B=True, clear_accum=True)
-                    # dQK = Gamma * tril(scale dM) (in registers, select: above the diagonal the
-                    # exponent may overflow), and dQK * QK for the dgamma terms.
+                    # dQK = Gamma * tril(scale dM) (in registers; the exponent clamped, tiles.pair_decay),
+                    # and dQK * QK for the dgamma terms.
                     for i, j in T.Parallel(CHUNK, CHUNK):
-                        dm[i, j] = T.Select(i >= j, dm[i, j] * scale * T.__exp(gamma_s[i] - gamma_s[j]), T.cast(0, ACCUM))
+                        dm[i, j] = T.Select(i >= j, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                         qk[i, j] = dm[i, j] * qk[i, j]
                     T.copy(dm, dqk_s)
                     T.reduce_sum(qk, red_r, dim=1)

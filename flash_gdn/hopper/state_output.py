@@ -29,7 +29,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import ACCUM, CHUNK
+from .tiles import ACCUM, CHUNK, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,11 +165,9 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
 
                 # P = scale * Gamma * tril(Q K^T) with the norm factors.
                 T.wait_wgmma(1)
-                # (Above the diagonal the exponent is > 0 and may overflow; the select drops it.)
+                # (Above the diagonal the exponent is clamped, tiles.pair_decay, and the select masks.)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    qk[i, j] = T.Select(
-                        i >= j, qk[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * q_row[i] * k_inv[j], T.cast(0, ACCUM)
-                    )
+                    qk[i, j] = T.Select(i >= j, qk[i, j] * q_row[i] * k_inv[j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(qk, p_s)
                 # O = diag(q_scale) (Q S) + P V_new;  S = e^gamma_C S + K^T (weighted V_new).
                 T.wait_wgmma(0)

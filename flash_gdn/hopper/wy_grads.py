@@ -19,7 +19,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import ACCUM, BLOCK, CHUNK, HALF, blocked_unit_lower_inverse
+from .tiles import ACCUM, BLOCK, CHUNK, HALF, blocked_unit_lower_inverse, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,12 +131,12 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 T.copy(kkt, lower)
                 blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
                 T.copy(inv, ar_h)
-                # (Above the diagonal e^(gamma_i - gamma_j) may overflow; the select drops it.)
+                # (Above the diagonal the exponent is clamped, tiles.pair_decay, and the select masks.)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i] - gamma_s[j]) * beta_s[j], T.cast(0, ACCUM))
+                    tmp[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(tmp, au_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = T.Select(i >= j, inv[i, j] * T.__exp(gamma_s[i]) * beta_s[j], T.cast(0, ACCUM))
+                    tmp[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
                 T.copy(tmp, aw_s)
 
                 # dV = A_u^T dV_new;  dW = -dV_new S^T.
@@ -160,7 +160,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # dA_r, and the beta column terms X_ij = (Gamma dA_u + e^gamma_i dA_w) A_r
                 # (G_ij = Gamma dA_u + e^gamma_i dA_w; dA_r = G diag(beta)).
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    dar[i, j] = (T.Select(i >= j, T.__exp(gamma_s[i] - gamma_s[j]), T.cast(0, ACCUM)) * dau[i, j]
+                    dar[i, j] = (T.Select(i >= j, dau[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                                  + T.__exp(gamma_s[i]) * daw[i, j])
                     tmp[i, j] = dar[i, j] * T.cast(ar_h[i, j], ACCUM)
                     dar[i, j] = dar[i, j] * beta_s[j]
