@@ -24,6 +24,10 @@ import torch
 from ..planning import SegmentPlan
 
 MIN_SEGMENT_CHUNKS = 16
+# Rows of at most this many chunks (one 2048-token sequence and its bound) take segments of
+# SHORT_MIN_SEGMENT_CHUNKS: there the output pass is short and the transitions cheap.
+SHORT_ROW_CHUNKS = 40
+SHORT_MIN_SEGMENT_CHUNKS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,7 +58,10 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     sequences x Hv already fill the SMs. Measured (H200, forward kernel time, best segment
     size in chunks vs this rule): 2/8 x 1x32768 best 32 (rule 32); 2/8 x 8192x4 best 32
     (rule 33); 4/16 x 16384+16384 and 28672+4096 best 64 (rule 65); 8/32 x 1x32768 and
-    16384+16384 best 128 (rule 129); 2/8 and 4/16 x 1x8192 best 16 (rule 16).
+    16384+16384 best 128 (rule 129); 2/8 and 4/16 x 1x8192 best 16 (rule 16). With the
+    register-operand output kernel (v6): x 1x2048 best 8 at 2/8, 4/16 and 16/16 (-29, -13,
+    -12 % against 16; 8/24 even), while x 1x4096 at 4/16 and 16/16 and 2/8 x 2048x4 still
+    prefer 16 (8 is 4-6 % slower there): hence 8 only for rows of <= SHORT_ROW_CHUNKS chunks.
     The segment lengths are set from shapes only (no host synchronisation), so with varlen
     every sequence is cut at the same length: long ones into several segments, short ones
     not at all (their transition pass is skipped: nothing follows a sequence's last segment).
@@ -64,7 +71,8 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     target_segments = _sm_count(device) // num_v_heads
     if target_segments <= num_seqs:
         return None
-    seg_chunks = max(MIN_SEGMENT_CHUNKS, -(-max_chunks // target_segments))
+    shortest = SHORT_MIN_SEGMENT_CHUNKS if max_chunks <= SHORT_ROW_CHUNKS else MIN_SEGMENT_CHUNKS
+    seg_chunks = max(shortest, -(-max_chunks // target_segments))
     if -(-max_chunks // seg_chunks) <= 1:
         return None
     return seg_chunks

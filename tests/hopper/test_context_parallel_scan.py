@@ -49,9 +49,12 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(1, 8, 512, dev) == 32  # 2/8 x 1x32768: 16 segments x 8 heads
     assert cp.segment_chunks_for(2, 16, 514, dev) == 65  # 4/16 x 16384+16384 (varlen bound)
     assert cp.segment_chunks_for(1, 32, 512, dev) == 128
-    assert cp.segment_chunks_for(1, 8, 33, dev) == 16  # short: at least 16 chunks per segment
+    assert cp.segment_chunks_for(1, 8, 65, dev) == 16  # 2/8 x 1x4096: at least 16 chunks per segment
+    assert cp.segment_chunks_for(1, 16, 65, dev) == 16
+    assert cp.segment_chunks_for(1, 8, 33, dev) == 8  # x 1x2048: 8-chunk segments
+    assert cp.segment_chunks_for(1, 16, 33, dev) == 8
     assert cp.segment_chunks_for(4, 64, 512, dev) is None  # 16/64 x 8192x4 fills the SMs
-    assert cp.segment_chunks_for(1, 8, 16, dev) is None  # a single segment
+    assert cp.segment_chunks_for(1, 8, 8, dev) is None  # a single segment
     monkeypatch.setenv("FLASH_GDN_CP", "0")
     assert cp.segment_chunks_for(1, 8, 512, dev) is None
 
