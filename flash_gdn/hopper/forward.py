@@ -53,7 +53,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         # Block of all of V: two consumer warpgroups share one sequence and head (faster than
         # two CTAs of 64 columns even when the GPU is underfilled: 6.1 vs 6.9 us per chunk, H200).
         if save_states:  # writes h and V_new too
-            return build_state_output(dk, dv, tl_dtype, has_initial, dv, True)
+            return build_state_output(dk, dv, tl_dtype, has_initial, dv)
         # The state as a register operand (no shared-memory round trip per chunk).
         return build_state_output_vmajor(dk, dv, tl_dtype, has_initial)
 

@@ -1,4 +1,7 @@
-"""Forward stage 2 (sequential over chunks): state recurrence and output in one kernel.
+"""Forward stage 2 for training with saved states: recurrence, output, chunk states and V_new.
+
+The forward's output pass is ``state_output_vmajor``; this kernel runs when the forward keeps
+what the backward would otherwise recompute (``save_chunk_states``).
 
 One CTA per (V block, sequence, value head) walks its sequence's chunks in order with the
 state block S [K, block_v] in fp32 registers; nothing per chunk goes back to HBM except O.
@@ -20,8 +23,8 @@ Rows past the end of a sequence's last chunk hold the next sequence's tokens (or
 the tensor): V_new and K_g are zeroed there, the causal mask keeps them out of P, and their
 output rows are not written.
 
-With ``store_states`` the kernel also writes every chunk's start state h and V_new (input
-dtype) for the backward, which then skips its own recomputation (``chunk_states``).
+Besides O it writes every chunk's start state h and V_new (input dtype) for the backward,
+which then skips its own recomputation (``chunk_states``).
 """
 
 import functools
@@ -34,18 +37,18 @@ from .tiles import ACCUM, CHUNK, pair_decay
 
 @functools.lru_cache(maxsize=None)
 def build_state_output(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int = 128,
-                       store_states: bool = False, num_stages: int = 2):
-    return _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_states, num_stages)
+                       num_stages: int = 2):
+    return _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages)
 
 
 @tilelang.jit
-def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_states, num_stages):
+def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
-    stored_chunks = T.dynamic("stored_chunks")  # num_chunks with store_states, else any (unused)
+    stored_chunks = T.dynamic("stored_chunks")  # num_chunks
     stored_tokens = T.dynamic("stored_tokens")
     threads = 128 * (block_v // 64)
 
@@ -123,8 +126,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
-                if store_states:  # saved for the backward (chunk start states)
-                    T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
+                T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])  # chunk start state
                 gamma_last = gamma_s[length - 1]
 
                 # Issue the three products that need only S and the tiles, most urgent first
@@ -152,13 +154,12 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, store_stat
                 for i, j in T.Parallel(CHUNK, block_v):
                     vn[i, j] = T.Select(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
                 T.copy(vn, vn_s)
-                if store_states:  # whole chunks by TMA, a partial last chunk row by row
-                    if length == CHUNK:
-                        T.copy(vn_s, v_new[start:start + CHUNK, head, v0:v0 + block_v])
-                    else:
-                        for i, j in T.Parallel(CHUNK, block_v):
-                            if i < length:
-                                v_new[start + i, head, v0 + j] = vn_s[i, j]
+                if length == CHUNK:  # V_new: whole chunks by TMA, a partial last chunk row by row
+                    T.copy(vn_s, v_new[start:start + CHUNK, head, v0:v0 + block_v])
+                else:
+                    for i, j in T.Parallel(CHUNK, block_v):
+                        if i < length:
+                            v_new[start + i, head, v0 + j] = vn_s[i, j]
                 for i, j in T.Parallel(CHUNK, block_v):
                     vn[i, j] = vn[i, j] * k_scale[i]
                 T.copy(vn, vnk_s)

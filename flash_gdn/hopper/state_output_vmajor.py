@@ -21,7 +21,7 @@ pairs them only with output rows past the end, which are not written. Every expo
 <= 0 (above the diagonal of P it is clamped to 0, and the causal mask zeroes the entry).
 
 Head sizes: V rows in one CTA (64 or 128, one consumer warpgroup per 64 rows), K = 64 or 128.
-The backward's saved-state mode (``store_states``) stays on ``state_output``.
+The saved-state mode (``save_chunk_states``, which also writes h and V_new) runs ``state_output``.
 """
 
 import functools

@@ -41,7 +41,7 @@ def kernel_builders(head_dim: int, dtype: str):
         builders += [(f"segment_scan[init={init},reverse={rev}]", lambda init=init, rev=rev: build_segment_scan(d, d, init, rev))
                      for init, rev in itertools.product((False, True), (False, True))]
     # The forward's output pass; state_output only in the mode that writes the chunk states.
-    builders += [(f"state_output[{dtype},h0={h0},store=True]", lambda h0=h0: build_state_output(d, d, dtype, h0, d, True))
+    builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
                  for h0 in (False, True)]
     builders += [(f"state_output_vmajor[{dtype},h0={h0}]", lambda h0=h0: build_state_output_vmajor(d, d, dtype, h0))
                  for h0 in (False, True)]
