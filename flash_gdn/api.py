@@ -219,8 +219,8 @@ def chunk_gated_delta_rule(
         state_v_first: states are ``[N, Hv, V, K]`` (the vLLM / SGLang layout).
         save_chunk_states: when a gradient is needed, keep every chunk's start state, V_new
             and W from the forward instead of recomputing them in the backward (Hopper
-            path): a faster backward for ``K V / 32 + 2 (K + V)`` more bytes per token and
-            value head (1 KiB at K = V = 128). Default: recompute (least memory).
+            path): a faster backward for ``K V / 32 + 2 (K + V) + 128`` more bytes per token and
+            value head (1.125 KiB at K = V = 128). Default: recompute (least memory).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, Hv, V]`` in v's dtype; final_state or None.

@@ -59,8 +59,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     saved = saved or {}
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
-    prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks)
-    qf, kf, vf, bf, w, u, gamma = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.u, prep.gamma
+    prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks,
+                                                write_inverse=True)
+    qf, kf, vf, bf, w, u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.u, prep.gamma, prep.a_r
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     del prep
     num_chunks = plan.chunk_bounds.shape[0]
@@ -128,8 +129,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
     build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[bf.dtype])(
-        kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy
+        kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy
     )
+    del a_r
     if not intermediates:
         dv_new = None
 

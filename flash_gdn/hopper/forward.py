@@ -24,7 +24,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``.
 
     With ``save_states``, ``extras`` holds what the backward would otherwise recompute:
-    ``prepared`` (W, gamma, inverse norms, the chunk plan; U dropped) and every chunk's start
+    ``prepared`` (W, gamma, inverse norms, A_r, the chunk plan; U dropped) and every chunk's start
     state ``h`` [chunks, Hv, K, V] and ``v_new`` [tokens, Hv, V] in the input dtype.
     """
     batch, seq_len = problem.batch, problem.seq_len
@@ -35,7 +35,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # the state kernels fold them into their row factors.
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks)
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, write_inverse=save_states)
     qf, kf, w, u, gamma = prep.q, prep.k, prep.w, prep.u, prep.gamma
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
 

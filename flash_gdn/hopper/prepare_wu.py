@@ -29,16 +29,19 @@ from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inver
 
 
 @functools.lru_cache(maxsize=None)
-def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str):
-    return _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype)
+def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False):
+    return _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse)
 
 
 @tilelang.jit
-def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
+def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads=128):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
+    # a_r has its own extents: without write_inverse it is not touched and any small buffer will do.
+    inverse_chunks = T.dynamic("inverse_chunks")
+    inverse_heads = T.dynamic("inverse_heads")
 
     @T.prim_func
     def prepare_wu(
@@ -54,6 +57,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
         normalize: T.int32,
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        a_r: T.Tensor((inverse_chunks, inverse_heads, CHUNK, CHUNK), HALF),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
@@ -119,6 +123,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
                     kkt[i, j] = T.Select(i > j, beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[j], T.cast(0, ACCUM))
                 T.copy(kkt, lower)
                 blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
+                if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
+                    T.copy(inv, scratch)
+                    T.copy(scratch, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
 
                 # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
                 # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
@@ -169,7 +176,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, threads=128):
 class Prepared(NamedTuple):
     """What the forward and the backward share after ``prepare_wu``: the chunk plan, the
     inputs flattened to ``[tokens, heads, dim]`` (g and beta in the kernels' gate dtype),
-    W, U, gamma ``[Hv, chunks, 64]`` and the inverse norms ``[Hqk, chunks, 64]``."""
+    W, U, gamma ``[Hv, chunks, 64]``, the inverse norms ``[Hqk, chunks, 64]`` and, when asked
+    for (the backward's), each chunk's gate-free inverse A_r ``[chunks, Hv, 64, 64]`` in fp16."""
 
     plan: ChunkPlan
     q: torch.Tensor
@@ -181,11 +189,14 @@ class Prepared(NamedTuple):
     gamma: torch.Tensor
     q_norm_inv: torch.Tensor
     k_norm_inv: torch.Tensor
+    a_r: torch.Tensor | None = None
 
 
-def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None) -> Prepared:
+def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
+                write_inverse: bool = False) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
-    launch ``prepare_wu`` (no host synchronisation)."""
+    launch ``prepare_wu`` (no host synchronisation). ``write_inverse``: keep A_r for the
+    backward (128 bytes per token and value head)."""
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     dtype, dev = q.dtype, q.device
@@ -203,7 +214,9 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     gamma = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
     q_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
     k_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype])(
-        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv
+    a_r = torch.empty(num_chunks if write_inverse else 1, hv if write_inverse else 1, CHUNK, CHUNK,
+                      dtype=torch.float16, device=dev)
+    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], write_inverse)(
+        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r
     )
-    return Prepared(plan, qf, kf, vf, bf, w, u, gamma, q_norm_inv, k_norm_inv)
+    return Prepared(plan, qf, kf, vf, bf, w, u, gamma, q_norm_inv, k_norm_inv, a_r if write_inverse else None)

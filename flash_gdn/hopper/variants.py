@@ -34,8 +34,9 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    builders += [(f"prepare_wu[{dtype},{gd}]", lambda gd=gd: build_prepare_wu(d, d, dtype, gd))
-                 for gd in gate_dtypes]
+    # A_r written for the backward (and the forward that saves its states) or not.
+    builders += [(f"prepare_wu[{dtype},{gd},inverse={wi}]", lambda gd=gd, wi=wi: build_prepare_wu(d, d, dtype, gd, wi))
+                 for gd, wi in itertools.product(gate_dtypes, (False, True))]
     builders.append((f"segment_state[{dtype}]", lambda: build_segment_state(d, d, dtype)))
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
         builders += [(f"segment_scan[init={init},reverse={rev}]", lambda init=init, rev=rev: build_segment_scan(d, d, init, rev))

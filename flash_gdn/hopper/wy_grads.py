@@ -9,7 +9,8 @@ beta, gamma, the state at the chunk's start h and dV_new (stages 1 and 2):
     dbeta_j = sum_i dL_ji (K K^T)_ji + sum_i (Gamma dA_u + e^gamma_i dA_w)_ij A_r_ij
     dgamma_wy = row sums of (dA_u A_u + dA_w A_w) - column sums of (dA_u A_u)
 
-A_r, A_u, A_w are recomputed as in ``prepare_wu`` (keys normalised by ``k_norm_inv``);
+A_r comes from ``prepare_wu`` (``write_inverse``, fp16); A_u and A_w are rebuilt from it with
+beta and the gates as there (keys normalised by ``k_norm_inv``);
 dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
 group sum follow outside). Rows past the chunk's end: beta = 0 and dV_new = 0 there.
 """
@@ -19,7 +20,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tiles import ACCUM, BLOCK, CHUNK, HALF, blocked_unit_lower_inverse, pair_decay
+from .tiles import ACCUM, CHUNK, HALF, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +43,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         bounds: T.Tensor((num_chunks, 2), "int32"),
+        a_r: T.Tensor((num_chunks, num_v_heads, CHUNK, CHUNK), HALF),
         h: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
         dv_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
         dv: T.Tensor((tokens, num_v_heads, head_v), dtype),
@@ -54,17 +56,10 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             dvn_tile = T.alloc_shared((CHUNK, head_v), dtype)
             h_tile = T.alloc_shared((head_k, head_v), dtype)
+            ar_h = T.alloc_shared((CHUNK, CHUNK), HALF)
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
-            kk_s = T.alloc_shared((CHUNK, CHUNK), ACCUM)
-            lower = T.alloc_shared((CHUNK, CHUNK), ACCUM)
-            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            off32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            scratch = T.alloc_shared((CHUNK, CHUNK), HALF)
-            ar_h = T.alloc_shared((CHUNK, CHUNK), HALF)
             au_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             aw_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             dw_s = T.alloc_shared((CHUNK, head_k), dtype)
@@ -76,9 +71,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             cols_s = T.alloc_shared((CHUNK,), ACCUM)
             xcol_s = T.alloc_shared((CHUNK,), ACCUM)
             lrow_s = T.alloc_shared((CHUNK,), ACCUM)
-            column = T.alloc_local((BLOCK,), ACCUM)
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-            inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dau = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             daw = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             tmp = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
@@ -94,18 +87,24 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             v_ready = T.alloc_barrier(threads)
             dvn_ready = T.alloc_barrier(threads)
             h_ready = T.alloc_barrier(threads)
+            ar_ready = T.alloc_barrier(threads)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
+            # Two CTAs per SM (under 113 KB of shared memory and 128 registers per thread each):
+            # one CTA's products overlap the other's element-wise phases and loads.
+            T.annotate_min_blocks_per_sm(2)
 
             qk_head = head // (num_v_heads // num_qk_heads)
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
-                # The four tiles by TMA, all in flight at once; each is waited for before its first use.
+                # The five tiles by TMA, all in flight at once; each is waited for before its first use.
+                T.tma_copy(a_r[chunk_id, head, 0:CHUNK, 0:CHUNK], ar_h, barrier=ar_ready)
                 T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
                 T.tma_copy(dv_new[start:start + CHUNK, head, 0:head_v], dvn_tile, barrier=dvn_ready)
                 T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile, barrier=h_ready)
                 T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
+                T.barrier_arrive(ar_ready)
                 T.barrier_arrive(k_ready)
                 T.barrier_arrive(dvn_ready)
                 T.barrier_arrive(h_ready)
@@ -114,6 +113,17 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
+
+                # A_u = A_r diag(beta) with the pair decay, A_w = diag(e^gamma) A_r diag(beta), lower
+                # triangles (above the diagonal the exponent is clamped, tiles.pair_decay, and the select masks).
+                T.mbarrier_wait_parity(ar_ready, 0)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    tmp[i, j] = (T.Select(i >= j, T.cast(ar_h[i, j], ACCUM) * beta_s[j], T.cast(0, ACCUM))
+                                 * pair_decay(gamma_s[i], gamma_s[j]))
+                T.copy(tmp, au_s)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    tmp[i, j] = T.Select(i >= j, T.cast(ar_h[i, j], ACCUM) * beta_s[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
+                T.copy(tmp, aw_s)
                 T.mbarrier_wait_parity(k_ready, 0)
                 for i, d in T.Parallel(CHUNK, head_k):
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
@@ -121,23 +131,6 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
                     for i, j in T.Parallel(CHUNK, head_v):
                         dvn_tile[i, j] = T.if_then_else(i < length, dvn_tile[i, j], T.cast(0, dtype))
-
-                # A_r, A_u, A_w as in the forward.
-                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
-                # Element-wise work in registers (selects), fragments to shared memory whole.
-                T.copy(kkt, kk_s)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    kkt[i, j] = T.Select(i > j, beta_s[i] * kkt[i, j], T.cast(0, ACCUM))
-                T.copy(kkt, lower)
-                blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
-                T.copy(inv, ar_h)
-                # (Above the diagonal the exponent is clamped, tiles.pair_decay, and the select masks.)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
-                T.copy(tmp, au_s)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
-                T.copy(tmp, aw_s)
 
                 # dV = A_u^T dV_new;  dW = -dV_new S^T.
                 T.gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
@@ -176,16 +169,18 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 T.reduce_sum(daw, red_r, dim=1)
                 T.copy(red_r, rows_s)
 
-                # dL = -(A_r^T dA_r A_r^T), strictly lower.
+                # dL = -(A_r^T dA_r A_r^T), strictly lower; its dbeta term against K K^T (recomputed
+                # here: a 64 x 64 x K product is cheaper than holding it in fp32 shared memory).
                 T.gemm(ar_h, dar_h, tmp, transpose_A=True, clear_accum=True)
                 T.copy(tmp, t_h)
                 T.gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
+                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     tmp[i, j] = T.Select(i > j, -tmp[i, j], T.cast(0, ACCUM))
                     dar[i, j] = beta_s[i] * tmp[i, j]
                 T.copy(dar, dkk_h)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = tmp[i, j] * kk_s[i, j]
+                    tmp[i, j] = tmp[i, j] * kkt[i, j]
                 T.reduce_sum(tmp, red_l, dim=1)
                 T.copy(red_l, lrow_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):

@@ -64,3 +64,17 @@ def test_vmajor_state_is_a_register_operand(name):
         source = VARIANTS[name]().get_kernel_source()
     assert source.count("tl::wgmma_rs<") >= 4, f"{name}: products with the state or V_new not from registers"
     assert "state_s" not in source and "vn_s" not in source
+
+
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("wy_grads")))
+def test_wy_grads_asks_for_two_ctas_per_sm(name):
+    """wy_grads reads A_r from prepare_wu instead of recomputing the inverse, which brings it
+    under half an SM's shared memory; two CTAs per SM (overlapping one's products with the
+    other's element-wise phases) was the measured win, so the launch bounds must keep asking
+    for them (ptxas then holds the kernel to 128 registers)."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    assert "__launch_bounds__(256, 2)" in source
+    assert "blocked_unit_lower_inverse" not in source and "diag16" not in source
