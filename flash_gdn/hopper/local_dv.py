@@ -8,6 +8,11 @@ takes the Q K^T product, the 64 x 64 element-wise mask and one product off the r
 recurrence's per-chunk critical path. q and k are normalised by their inverse norms; rows
 of M past the chunk's end are zero, so the next sequence's dO never enters. Stored in the
 input dtype (dV_new itself is stored in it too).
+
+One CTA per (chunk, q/k head) walks the value heads of its group: scale D_q Q K^T D_k (masked)
+is formed once and stays in registers, and each value head only applies its own decay
+Gamma (gates are per value head) and multiplies by its dO tile. Tiles come by TMA; the next
+head's dO load is issued as soon as the current one's product has read its tile.
 """
 
 import functools
@@ -42,39 +47,63 @@ def _local_dv_kernel(head_k, head_v, dtype, threads=128):
         scale: T.float32,
         dv_local: T.Tensor((tokens, num_v_heads, head_v), dtype),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+        with T.Kernel(num_chunks, num_qk_heads, threads=threads) as (chunk_id, qk_head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             do_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            out_s = T.alloc_shared((CHUNK, head_v), dtype)
             m_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            m = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            qk_ready = T.alloc_barrier(threads)
+            do_ready = T.alloc_barrier(threads)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
+            head = T.alloc_var("int32")
 
-            qk_head = head // (num_v_heads // num_qk_heads)
+            group = num_v_heads // num_qk_heads
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
             if length > 0:
-                T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
-                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile)
-                T.copy(do[start:start + CHUNK, head, 0:head_v], do_tile)
-                T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
+                T.tma_copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile, barrier=qk_ready)
+                T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=qk_ready)
+                T.tma_copy(do[start:start + CHUNK, qk_head * group, 0:head_v], do_tile, barrier=do_ready)
+                T.barrier_arrive(qk_ready)
+                T.barrier_arrive(do_ready)
                 T.copy(q_norm_inv[qk_head, chunk_id, 0:CHUNK], q_inv)
                 T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
+                T.mbarrier_wait_parity(qk_ready, 0)
                 T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                # scale D_q Q K^T D_k, lower triangle incl. the diagonal, rows of the chunk only
+                # (so the next sequence's dO rows never enter).
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    m_s[i, j] = T.cast(T.if_then_else(
-                        i >= j and i < length,
-                        qk[i, j] * (scale * q_inv[i] * k_inv[j]),
-                        T.cast(0, ACCUM),
-                    ) * pair_decay(gamma_s[i], gamma_s[j]), dtype)
-                T.gemm(m_s, do_tile, acc, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(CHUNK, head_v):
-                    if i < length:
-                        dv_local[start + i, head, j] = T.cast(acc[i, j], dtype)
+                    qk[i, j] = T.Select(i >= j and i < length, qk[i, j] * (scale * q_inv[i] * k_inv[j]), T.cast(0, ACCUM))
+
+                for member in T.serial(group):
+                    head = qk_head * group + member
+                    T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
+                    # M = Gamma * (the masked product): zeros stay zeros (tiles.pair_decay is finite).
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        m[i, j] = qk[i, j] * pair_decay(gamma_s[i], gamma_s[j])
+                    T.copy(m, m_s)
+                    T.mbarrier_wait_parity(do_ready, member % 2)
+                    T.gemm(m_s, do_tile, acc, transpose_A=True, clear_accum=True)
+                    # The product has read dO: the next head's tile comes in while this one is stored.
+                    if member + 1 < group:
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        T.tma_copy(do[start:start + CHUNK, head + 1, 0:head_v], do_tile, barrier=do_ready)
+                        T.barrier_arrive(do_ready)
+                    T.copy(acc, out_s)
+                    if length == CHUNK:  # a whole chunk: one TMA store
+                        T.copy(out_s, dv_local[start:start + CHUNK, head, 0:head_v])
+                    else:  # a sequence's last, partial chunk: the rows after it are another sequence's
+                        for i, j in T.Parallel(CHUNK, head_v):
+                            if i < length:
+                                dv_local[start + i, head, j] = out_s[i, j]
 
     return local_dv
