@@ -24,9 +24,11 @@ import torch
 from ..planning import SegmentPlan
 
 MIN_SEGMENT_CHUNKS = 16
-# Rows of at most this many chunks (one 2048-token sequence and its bound) take segments of
-# SHORT_MIN_SEGMENT_CHUNKS: there the output pass is short and the transitions cheap.
+# Rows of at most this many chunks (one 2048-token sequence and its bound) at up to
+# SHORT_MAX_V_HEADS value heads take segments of SHORT_MIN_SEGMENT_CHUNKS: there the output
+# pass is short and the transitions cheap.
 SHORT_ROW_CHUNKS = 40
+SHORT_MAX_V_HEADS = 16
 SHORT_MIN_SEGMENT_CHUNKS = 8
 
 
@@ -62,6 +64,9 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     register-operand output kernel (v6): x 1x2048 best 8 at 2/8, 4/16 and 16/16 (-29, -13,
     -12 % against 16; 8/24 even), while x 1x4096 at 4/16 and 16/16 and 2/8 x 2048x4 still
     prefer 16 (8 is 4-6 % slower there): hence 8 only for rows of <= SHORT_ROW_CHUNKS chunks.
+    With 24 and 32 value heads those short rows do not gain (8/24 x 1x2048 even; 8/32, 16/32
+    and 32/32 x 1x2048 7 % slower with 9-chunk segments than with 16): 8 only up to
+    SHORT_MAX_V_HEADS.
     The segment lengths are set from shapes only (no host synchronisation), so with varlen
     every sequence is cut at the same length: long ones into several segments, short ones
     not at all (their transition pass is skipped: nothing follows a sequence's last segment).
@@ -71,7 +76,8 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     target_segments = _sm_count(device) // num_v_heads
     if target_segments <= num_seqs:
         return None
-    shortest = SHORT_MIN_SEGMENT_CHUNKS if max_chunks <= SHORT_ROW_CHUNKS else MIN_SEGMENT_CHUNKS
+    short = max_chunks <= SHORT_ROW_CHUNKS and num_v_heads <= SHORT_MAX_V_HEADS
+    shortest = SHORT_MIN_SEGMENT_CHUNKS if short else MIN_SEGMENT_CHUNKS
     seg_chunks = max(shortest, -(-max_chunks // target_segments))
     if -(-max_chunks // seg_chunks) <= 1:
         return None

@@ -53,6 +53,7 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(1, 16, 65, dev) == 16
     assert cp.segment_chunks_for(1, 8, 33, dev) == 8  # x 1x2048: 8-chunk segments
     assert cp.segment_chunks_for(1, 16, 33, dev) == 8
+    assert cp.segment_chunks_for(1, 32, 33, dev) == 16  # 16/32 x 1x2048: short segments only up to 16 heads
     assert cp.segment_chunks_for(4, 64, 512, dev) is None  # 16/64 x 8192x4 fills the SMs
     assert cp.segment_chunks_for(1, 8, 8, dev) is None  # a single segment
     monkeypatch.setenv("FLASH_GDN_CP", "0")
