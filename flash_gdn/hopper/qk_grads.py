@@ -93,7 +93,9 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             red_d = T.alloc_fragment((CHUNK,), ACCUM)
             dq_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
             dk_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
-            acc_v = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            acc_v = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            dkwy_frag = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            part = T.alloc_local((8,), ACCUM)
             start = T.alloc_var("int32")
             qk_ready = T.alloc_barrier(threads)
             vo_ready = T.alloc_barrier(threads)
@@ -161,24 +163,30 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     for i, j in T.Parallel(CHUNK, head_v):
                         vn_tile[i, j] = T.cast(T.cast(do_tile[i, j], ACCUM) * (scale * dgain[i]), dtype)
 
-                    # dq += (scale D dO) S^T + dQK K;  dk += dQK^T Q + E V_new dS'^T.
-                    T.mbarrier_wait_parity(hh_ready, member % 2)
-                    T.gemm(vn_tile, h_tile, dq_acc, transpose_B=True)
-                    T.gemm(dqk_s, k_tile, dq_acc)
-                    T.gemm(dqk_s, q_tile, dk_acc, transpose_A=True)
-                    T.gemm(vne_s, dh_tile, dk_acc, transpose_B=True)
+                    # dk_wy for this member in registers now: its loads run under the products below.
                     for i, d in T.Parallel(CHUNK, head_k):
-                        dk_acc[i, d] += T.if_then_else(i < length, dk_wy[start + i, head, d], T.cast(0, ACCUM))
+                        dkwy_frag[i, d] = T.if_then_else(i < length, dk_wy[start + i, head, d], T.cast(0, ACCUM))
 
-                    # (Q S)_i . (scale D dO)_i and de_i = E_i (K dS')_i . V_new_i.
-                    T.gemm(q_tile, h_tile, acc_v, clear_accum=True)
-                    for i, j in T.Parallel(CHUNK, head_v):
-                        acc_v[i, j] = acc_v[i, j] * T.cast(vn_tile[i, j], ACCUM)
+                    # dq += (scale D dO) S^T + dQK K;  dk += dQK^T Q + E V_new dS'^T.  The two state
+                    # terms go through acc_v on their own, because their row dot products with the
+                    # normalised q and k are two dgamma terms (no Q S or K dS' product needed):
+                    #   (Q S)_i . (scale D dO)_i = sum_k Q_ik ((scale D dO) S^T)_ik
+                    #   E_i (K dS')_i . V_new_i   = sum_k K_ik ((E V_new) dS'^T)_ik
+                    T.mbarrier_wait_parity(hh_ready, member % 2)
+                    T.wgmma_gemm(vn_tile, h_tile, acc_v, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(dqk_s, q_tile, dk_acc, transpose_A=True)
+                    T.wait_wgmma(1)
+                    for i, d in T.Parallel(CHUNK, head_k):
+                        dq_acc[i, d] += acc_v[i, d]
+                        acc_v[i, d] = acc_v[i, d] * T.cast(q_tile[i, d], ACCUM)
                     T.reduce_sum(acc_v, red_q, dim=1)
                     T.copy(red_q, qsdo_s)
-                    T.gemm(k_tile, dh_tile, acc_v, clear_accum=True)
-                    for i, j in T.Parallel(CHUNK, head_v):
-                        acc_v[i, j] = acc_v[i, j] * T.cast(vne_s[i, j], ACCUM)
+                    T.wgmma_gemm(dqk_s, k_tile, dq_acc)
+                    T.wgmma_gemm(vne_s, dh_tile, acc_v, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    for i, d in T.Parallel(CHUNK, head_k):
+                        dk_acc[i, d] += acc_v[i, d] + dkwy_frag[i, d]
+                        acc_v[i, d] = acc_v[i, d] * T.cast(k_tile[i, d], ACCUM)
                     T.reduce_sum(acc_v, red_e, dim=1)
                     T.copy(red_e, de_s)
                     # <S, dS'> in row pairs (r, r + K/2) of a [C, V] fragment (K = 2C or C).
@@ -193,9 +201,17 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     T.copy(red_s, sd_s)
                     # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so
                     # every dg of the chunk (a reverse cumsum) gains X.
-                    total = T.cast(0, ACCUM)
-                    for i in T.serial(CHUNK):
-                        total += T.__exp(gamma_last) * sd_s[i] + de_s[i]
+                    # (unrolled in four partial sums: a serial chain of 64 shared loads is ~1 us)
+                    for p in T.unroll(4):
+                        part[p] = T.cast(0, ACCUM)
+                        part[p + 4] = T.cast(0, ACCUM)
+                    for i in T.unroll(CHUNK // 4):
+                        for p in T.unroll(4):
+                            part[p] += sd_s[4 * i + p]
+                            part[p + 4] += de_s[4 * i + p]
+                    total = T.__exp(gamma_last) * ((part[0] + part[1]) + (part[2] + part[3])) + (
+                        (part[4] + part[5]) + (part[6] + part[7])
+                    )
                     for i in T.Parallel(CHUNK):
                         dgam_s[i] = T.if_then_else(
                             i < length,
