@@ -120,6 +120,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
                 T.clear(dq_acc)
                 T.clear(dk_acc)
+                # Q K^T (normalised) is the same for every value head of the group: once, kept in registers.
+                T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
 
                 for member in T.serial(group):
                     head = qk_head * group + member
@@ -147,16 +149,16 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         vne_s[i, j] = T.cast(T.cast(vn_tile[i, j], ACCUM) * e_s[i], dtype)
 
                     # dM, dQK and the dgamma terms of M.
-                    T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
                     T.gemm(do_tile, vn_tile, dm, transpose_B=True, clear_accum=True)
                     # dQK = Gamma * tril(scale dM) (in registers; the exponent clamped, tiles.pair_decay),
-                    # and dQK * QK for the dgamma terms.
+                    # then dQK * QK for the dgamma terms.
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         dm[i, j] = T.Select(i >= j, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
-                        qk[i, j] = dm[i, j] * qk[i, j]
                     T.copy(dm, dqk_s)
-                    T.reduce_sum(qk, red_r, dim=1)
-                    T.reduce_sum(qk, red_c, dim=0)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        dm[i, j] = dm[i, j] * qk[i, j]
+                    T.reduce_sum(dm, red_r, dim=1)
+                    T.reduce_sum(dm, red_c, dim=0)
                     T.copy(red_r, rows_s)
                     T.copy(red_c, cols_s)
                     # V_new is dead: its tile now holds scale D dO.
