@@ -78,3 +78,35 @@ def test_wy_grads_asks_for_two_ctas_per_sm(name):
         source = VARIANTS[name]().get_kernel_source()
     assert "__launch_bounds__(256, 2)" in source
     assert "blocked_unit_lower_inverse" not in source and "diag16" not in source
+
+
+SERIALISATION_WARNINGS = ("C7514", "C7515")  # ptxas: "wgmma.mma_async instructions are serialized"
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n in VARIANTS
+    if n.startswith(ASYNC_PRODUCT_KERNELS + ("qk_grads", "wy_grads")) and "bfloat16" in n and "K=V=128" in n
+))
+def test_ptxas_keeps_wgmma_asynchronous(name, tmp_path):
+    """When element-wise code touches the registers of an accumulator while a wgmma may still
+    be writing them (or the register budget forces ptxas to move them), ptxas serialises every
+    wgmma of the kernel, which undoes the asynchronous issue, and only says so in a warning
+    (pairing wy_grads' products at its 128-register cap did this). The kernels that issue
+    products asynchronously are assembled here and the warning is an error."""
+    import subprocess
+
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    root = tilelang.__path__[0]
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    out = subprocess.run(
+        ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{root}/src",
+         f"-I{root}/3rdparty/cutlass/include", "-Xptxas", "-v", "-c", str(path), "-o", str(tmp_path / "kernel.o")],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    serialised = [line for line in out.stderr.splitlines() if any(w in line for w in SERIALISATION_WARNINGS)]
+    assert not serialised, f"{name}: {serialised}"

@@ -143,6 +143,7 @@ LENGTHS = [1, 0, 64, 300, 5, 129, 700]
     (2, 8, True, True),
     (4, 4, True, False),   # 1x
     (2, 4, False, True),   # 2x
+    (2, 6, False, False),  # 3x: an odd group (qk_grads' two state slots)
     (1, 8, True, False),   # 8x
 ])
 def test_hopper_backward_matches_naive_autograd(hqk, hv, l2, state_v_first):
