@@ -8,7 +8,10 @@ import torch
 
 
 def kernel_time_ms(fn, iters: int) -> float:
-    """Sum of device kernel durations per call, from torch.profiler (launch gaps excluded)."""
+    """Device time per call during which at least one kernel runs, from torch.profiler: the
+    union of the kernels' intervals, so launch gaps are excluded and kernels that run
+    concurrently on two streams count once (for kernels run one after another this is the
+    sum of their durations)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -16,11 +19,22 @@ def kernel_time_ms(fn, iters: int) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = 0.0
+    intervals = []
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
-            total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
-    return total_us / iters / 1000.0
+            duration = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+            intervals.append((evt.time_range.start, evt.time_range.start + duration))
+    return busy_time_us(intervals) / iters / 1000.0
+
+
+def busy_time_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def eager_time_ms(fn, iters: int) -> float:

@@ -14,6 +14,13 @@ scanned segment start states; ``state_grads`` is linear in its incoming gradient
 transposed transition (dS_start = M^T dS_end + b), so a first pass over every segment from
 zero gives b, a reverse scan gives each segment's dS_end, and a second pass writes dh and
 dV_new.
+
+``chunk_states`` and the state-gradient pass read none of each other's outputs (the state
+gradients need Q, K, W, dO and the local dV, not h or V_new), so when the chunk states are
+recomputed they run on a second stream beside local_dv and state_grads, joined before
+wy_grads, the first reader of h. Each alone underfills the GPU when sequences x heads are
+few; together they share it. Both streams are forked from and joined to the caller's, so a
+CUDA-graph capture records the two branches.
 """
 
 from __future__ import annotations
@@ -32,6 +39,17 @@ from .segment_state import build_segment_state
 from .state_grads import build_state_grads
 from .tiles import CHUNK, TL_DTYPE
 from .wy_grads import build_wy_grads
+
+
+CONCURRENT_CHUNK_STATES = True  # chunk_states beside the state-gradient pass (off: one stream)
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
 
 
 def state_block_v(head_v: int, num_seqs: int, num_v_heads: int, device: torch.device) -> int:
@@ -79,17 +97,27 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     if segs is not None:
         seg_state, run_init = _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, "h" not in saved, problem,
                                                    tl_dtype)
+    main = torch.cuda.current_stream(dev)
+    side, args = None, None
     if "h" in saved:
         h, v_new = saved["h"], saved["v_new"]
     else:
         h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
         v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
         init = h0 if segs is None else run_init
+        chunk_states = build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)
         # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
-        build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)(
-            kf, w, u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
-        )
-    del u
+        args = (kf, w, u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new)
+        if CONCURRENT_CHUNK_STATES:
+            # Every tensor the side stream touches was allocated on the main stream and stays
+            # referenced until the join below, so the allocator cannot hand its memory out early.
+            side = _side_stream(dev)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                chunk_states(*args)
+        else:
+            chunk_states(*args)
+            args = None
 
     dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     build_local_dv(dk, dv, tl_dtype)(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, problem.scale,
@@ -122,7 +150,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         state_grads(segs.seg_info, ds_end, b)
         dh0 = b[segs.first_seg]
         del b, ds_end
-    del w, dv_local
+    if side is not None:
+        main.wait_stream(side)
+    del w, dv_local, u, args
 
     dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     dk_wy = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
