@@ -1,6 +1,7 @@
-"""Forward kernel time, eager time and graph time of rows under several context-parallel settings.
+"""Forward (or, with --bwd, backward) kernel time, eager time and graph time of rows under
+several context-parallel settings.
 
-    python3 scripts/cp_sweep.py 4/16:28672+4096 8/32:1x32768 -- off auto 32 64 128
+    python3 scripts/cp_sweep.py [--bwd] 4/16:28672+4096 8/32:1x32768 -- off auto 32 64 128
 
 A setting is ``off`` (FLASH_GDN_CP=0), ``auto`` (the library's choice) or a number of chunks
 per segment (FLASH_GDN_CP_SEGMENT_CHUNKS). Prints one line per (row, setting), in ms.
@@ -9,7 +10,9 @@ per segment (FLASH_GDN_CP_SEGMENT_CHUNKS). Prints one line per (row, setting), i
 import os
 import sys
 
-from flash_gdn import chunk_gated_delta_rule
+import torch
+
+from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_gdn.bench.timing import eager_time_ms, graph_time_ms, kernel_time_ms
 from profile_kernels import row_inputs  # scripts/ is on sys.path when run as a script
 
@@ -22,11 +25,19 @@ def apply(setting):
 
 
 def main(argv):
+    backward = "--bwd" in argv
+    argv = [a for a in argv if a != "--bwd"]
     split = argv.index("--") if "--" in argv else len(argv)
     rows, settings = argv[:split], argv[split + 1:] or ["off", "auto"]
     for spec in rows:
         x = row_inputs(spec)
-        step = lambda: chunk_gated_delta_rule(**x)  # noqa: E731
+        if backward:  # the forward under the library's own choice; the setting applies to the backward
+            apply("auto")
+            _, _, saved = chunk_gated_delta_rule_fwd(**x)
+            do = torch.randn_like(x["v"])
+            step = lambda: chunk_gated_delta_rule_bwd(do, None, saved)  # noqa: E731
+        else:
+            step = lambda: chunk_gated_delta_rule(**x)  # noqa: E731
         for setting in settings:
             apply(setting)
             step()

@@ -25,6 +25,8 @@ CUDA-graph capture records the two branches.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..planning import chunk_capacity
@@ -94,30 +96,40 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     # Without CP, state_grads writes dh0 (and it stands in for absent optional arguments);
     # with CP it is gathered from the segments' start gradients.
     dh0 = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev) if segs is None else None
-    if segs is not None:
-        seg_state, run_init = _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, "h" not in saved, problem,
-                                                   tl_dtype)
-    main = torch.cuda.current_stream(dev)
-    side, args = None, None
-    if "h" in saved:
-        h, v_new = saved["h"], saved["v_new"]
-    else:
+    recompute = "h" not in saved
+    if recompute:
         h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
         v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        init = h0 if segs is None else run_init
-        chunk_states = build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)
-        # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
-        args = (kf, w, u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new)
-        if CONCURRENT_CHUNK_STATES:
-            # Every tensor the side stream touches was allocated on the main stream and stays
-            # referenced until the join below, so the allocator cannot hand its memory out early.
-            side = _side_stream(dev)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                chunk_states(*args)
-        else:
-            chunk_states(*args)
-            args = None
+    else:
+        h, v_new = saved["h"], saved["v_new"]
+    if segs is not None:
+        capacity = segs.seg_info.shape[0]
+        seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
+        run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
+    # The forward-state side (segment transitions, segment start states, chunk states) on a
+    # second stream; the reverse scan needs only the transitions, announced by an event.
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev) if CONCURRENT_CHUNK_STATES and (recompute or segs is not None) else None
+    transitions_ready = None
+    if side is not None:
+        side.wait_stream(main)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        # Every tensor used here was allocated on the main stream and stays referenced until
+        # the join below, so the allocator cannot hand its memory out early.
+        if segs is not None:
+            _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, seg_state, run_init, problem, tl_dtype)
+            if side is not None:
+                transitions_ready = torch.cuda.Event()
+                transitions_ready.record(side)
+            if recompute:
+                build_segment_scan(dk, dv, h0 is not None)(seg_state, seg_state, segs.seg_meta,
+                                                            run_init if h0 is None else h0, run_init)
+        if recompute:
+            init = h0 if segs is None else run_init
+            # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
+            build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)(
+                kf, w, u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
+            )
 
     dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     build_local_dv(dk, dv, tl_dtype)(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, problem.scale,
@@ -139,20 +151,22 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
         # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
         # (it overwrites the first pass's).
-        capacity = segs.seg_info.shape[0]
         b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
         state_grads(segs.seg_info, None, b)
         ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        if transitions_ready is not None:
+            main.wait_event(transitions_ready)
         build_segment_scan(dk, dv, dht32 is not None, reverse=True)(
             seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, ds_end
         )
-        del seg_state
         state_grads(segs.seg_info, ds_end, b)
         dh0 = b[segs.first_seg]
         del b, ds_end
     if side is not None:
         main.wait_stream(side)
-    del w, dv_local, u, args
+    del w, dv_local, u
+    if segs is not None:
+        del seg_state, run_init
 
     dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     dk_wy = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
@@ -183,21 +197,14 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     return grads
 
 
-def _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, need_init, problem, tl_dtype):
-    """[h | M] of every segment (all of them: the reverse scan needs each M but the first's)
-    and, when the chunk states are recomputed (``need_init``), every segment's start state."""
-    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
-    capacity, dev = segs.seg_info.shape[0], kf.device
-    seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
-    # With saved chunk states U was dropped and only M is needed: W (same shape, K = V) stands
-    # in for U, and the h columns come out meaningless and unread.
-    build_segment_state(dk, dv, tl_dtype)(kf, w, u if need_init else w, gamma, k_norm_inv, segs.seg_info, seg_state)
-    if not need_init:
-        return seg_state, None
-    seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-    build_segment_scan(dk, dv, h0 is not None)(seg_state, seg_state, segs.seg_meta, seg_init if h0 is None else h0,
-                                                seg_init)
-    return seg_state, seg_init
+def _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, seg_state, run_init, problem, tl_dtype):
+    """[h | M] of every segment into ``seg_state`` (all of them: the reverse scan needs each M
+    but the first's). Without ``run_init`` (saved chunk states: U was dropped and only M is
+    needed) W (same shape, K = V) stands in for U, and the h columns come out meaningless and
+    unread."""
+    build_segment_state(problem.head_k, problem.head_v, tl_dtype)(
+        kf, w, u if run_init is not None else w, gamma, k_norm_inv, segs.seg_info, seg_state
+    )
 
 
 def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first,
