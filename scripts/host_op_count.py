@@ -4,12 +4,15 @@ Runs on a CPU machine: inputs on the ``meta`` device, the TileLang kernels repla
 no-ops, so what is counted is our Python glue (validation, planning, the CP scan): each
 operator listed is roughly one extra kernel launch and 5-10 us of host time on a GPU host.
 
-    python3 scripts/host_op_count.py 2/8:1x2048 4/16:28672+4096 16/64:8192x4   # forward, then backward
+    python3 scripts/host_op_count.py [--where] 2/8:1x2048 4/16:28672+4096 16/64:8192x4   # forward, then backward
+
+``--where`` lists each operator with the flash_gdn line that dispatched it.
 """
 
 import collections
 import sys
 import time
+import traceback
 from unittest import mock
 
 import torch
@@ -25,9 +28,15 @@ class Count(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.sites = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] += 1
+        # The innermost flash_gdn line that dispatched it (with --where).
+        ours = [f for f in traceback.extract_stack() if "/flash_gdn/" in f.filename]
+        if ours:
+            self.sites[f"{name} {ours[-1].filename.split('/flash_gdn/')[-1]}:{ours[-1].lineno}"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -35,8 +44,9 @@ def stub(*_args, **_kw):
     return lambda *a, **k: None
 
 
-def main(specs, backward_too=True):
-    patches = [mock.patch.object(dispatch, "hopper_forward_supports", lambda q, p: (True, "stub")),
+def main(specs, backward_too=True, where=False):
+    patches = [mock.patch.object(backward, "CONCURRENT_CHUNK_STATES", False),  # no CUDA streams on meta
+               mock.patch.object(dispatch, "hopper_forward_supports", lambda q, p: (True, "stub")),
                mock.patch.object(context_parallel, "num_sms", lambda i: 132),
                mock.patch.object(torch.cuda, "current_device", lambda: 0)]
     from flash_gdn.hopper import plan_kernels
@@ -70,12 +80,17 @@ def main(specs, backward_too=True):
             call()
         host = (time.perf_counter() - t0) / 20 * 1e6
         print(f"{spec}: forward {sum(c.ops.values())} ops, {host:.0f} us host (meta): {dict(c.ops.most_common())}")
+        if where:
+            print("  " + "\n  ".join(f"{n} x {site}" for site, n in sorted(c.sites.items())))
         if backward_too:
             do = torch.empty_like(v)
             with Count() as c:
                 api.chunk_gated_delta_rule_bwd(do, None, saved)
             print(f"{spec}: backward {sum(c.ops.values())} ops: {dict(c.ops.most_common())}")
+            if where:
+                print("  " + "\n  ".join(f"{n} x {site}" for site, n in sorted(c.sites.items())))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["2/8:1x2048", "4/16:28672+4096", "16/64:8192x4"])
+    args = [a for a in sys.argv[1:] if a != "--where"]
+    main(args or ["2/8:1x2048", "4/16:28672+4096", "16/64:8192x4"], where="--where" in sys.argv)

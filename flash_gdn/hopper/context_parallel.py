@@ -84,26 +84,37 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     return seg_chunks
 
 
-BACKWARD_MIN_SEGMENT_CHUNKS = 32
+BACKWARD_MIN_SEGMENT_CHUNKS = 16
+BACKWARD_LONG_SEQUENCE_CHUNKS = 256
 
 
 def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
     """Chunks per segment for the backward's sequential stages, or None.
 
-    Those stages run two CTAs (64 state columns each) per sequence and value head, and CP
-    adds a transition pass, a second state-gradient pass and two scans whose steps are
-    sequential (~3-6 us each). Measured (H200): CP made 2/4 x 1x32768 1.9x faster (2.62 ->
-    1.35 ms) but 16/32 x 1x8192 and 8/16 x 16384+16384 slightly slower, so it is used only
-    where sequences x heads leave at least three quarters of the SMs idle, with segments of
-    at least ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks (fewer scan steps), three or more per
-    average sequence.
+    Those stages run two CTAs (64 state columns each) per sequence (segment, with CP) and
+    value head; CP adds a transition pass, a second state-gradient pass and two scans whose
+    steps are sequential. ``max_chunks`` is the chunk capacity of the whole call. Segments are
+    sized so that all of them together give about one CTA per SM (2 Hv x segments ~ SMs),
+    at least ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks each.
+
+    Sweep (H200, CUDA-graph time of the backward, two-stream version; ms): CP pays where
+    sequences x heads give at most 16 CTAs - 2/4 x 1x4096 0.226 -> 0.179 (16-chunk segments),
+    2/4 x 4096x2 0.284 -> 0.250 (16), 2/4 x 1x8192 0.429 -> 0.268 (16; 32: 0.313), 4/8 x
+    1x8192 0.533 -> 0.422 (16), 2/4 x 1x32768 1.60 -> 0.79 (32; 16: 0.85), 2/4 x 16384x2 1.01
+    -> 0.74 (32), 4/8 x 1x32768 1.96 -> 1.37 (64); with 32 CTAs only for long sequences -
+    4/8 x 16384x2 1.378 -> 1.346 (64), 8/16 x 1x32768 2.69 -> 2.57-2.62 (64-128) - and it
+    loses at 32 CTAs with shorter ones (4/8 x 4096x2 0.385 -> 0.403, 2/4 x 2048x4 0.214 ->
+    0.244, 2/4 x 8192x4 and 8/16 x 1x8192 even) and with 64 or more (2/4 x 4096x8 0.59 ->
+    0.72, 4/8 x 8192x4 1.13 -> 1.33, 8/16 x 16384x2 2.19 -> 2.55, 16/32 x 1x8192 1.12 -> 1.33).
     """
     if _overridden():
         return _override()
     sms = _sm_count(device)
-    if 2 * num_seqs * num_v_heads * 4 > sms:
+    ctas = 2 * num_seqs * num_v_heads
+    long_sequences = max_chunks >= BACKWARD_LONG_SEQUENCE_CHUNKS * num_seqs
+    if not (8 * ctas <= sms or (4 * ctas <= sms and long_sequences)):
         return None
-    seg_chunks = max(BACKWARD_MIN_SEGMENT_CHUNKS, -(-max_chunks // (sms // (2 * num_v_heads))))
+    seg_chunks = max(BACKWARD_MIN_SEGMENT_CHUNKS, -(-max_chunks * 2 * num_v_heads // sms))
     # Only when an average sequence is cut into at least three segments: with whole
     # sequences as segments CP is all overhead (2/4 x 8k_4seq: 0.82x -> 0.64x of FLA).
     if 3 * seg_chunks * num_seqs > max_chunks:

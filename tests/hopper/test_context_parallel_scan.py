@@ -68,9 +68,13 @@ def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkey
     monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
     dev = torch.device("cuda", 0)
     assert cp.backward_segment_chunks_for(1, 4, 512, dev) == 32  # 2/4 x 32k: 16 segments
-    assert cp.backward_segment_chunks_for(1, 8, 512, dev) == 64
+    assert cp.backward_segment_chunks_for(1, 8, 512, dev) == 63  # 4/8 x 32k: 8 segments
     assert cp.backward_segment_chunks_for(1, 32, 128, dev) is None  # 16/32 x 8k
     assert cp.backward_segment_chunks_for(2, 16, 514, dev) is None  # 8/16 x 2 sequences
     assert cp.backward_segment_chunks_for(1, 4, 32, dev) is None  # one segment
     assert cp.backward_segment_chunks_for(4, 4, 132, dev) is None  # 2/4 x 8k_4seq: whole sequences
-    assert cp.backward_segment_chunks_for(2, 8, 514, dev) == 65  # 4/8 x 32k_2seq
+    assert cp.backward_segment_chunks_for(2, 8, 514, dev) == 63  # 4/8 x 32k_2seq: long sequences
+    assert cp.backward_segment_chunks_for(1, 4, 64, dev) == 16  # 2/4 x 4k: 4 segments
+    assert cp.backward_segment_chunks_for(2, 4, 130, dev) == 16  # 2/4 x 8k_2seq
+    assert cp.backward_segment_chunks_for(2, 8, 130, dev) is None  # 4/8 x 8k_2seq: 32 CTAs, short
+    assert cp.backward_segment_chunks_for(4, 4, 516, dev) is None  # 2/4 x 32k_4seq: 32 CTAs, 129 chunks each
