@@ -32,15 +32,18 @@ class Problem:
     scale: float
 
 
-def _require(cond: bool, message: str, exc: type[Exception] = ValueError) -> None:
+def _require(cond: bool, message, exc: type[Exception] = ValueError) -> None:
+    """Raise ``exc`` unless ``cond``. ``message`` is a string or, for messages that format
+    values, a function returning one: formatted only on failure (the checks run on every
+    call, and 25 eager f-strings cost more host time than the checks themselves)."""
     if not cond:
-        raise exc(message)
+        raise exc(message() if callable(message) else message)
 
 
 def _check_tensor(name: str, x, ndim: int, layout: str) -> None:
-    _require(isinstance(x, torch.Tensor), f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
-    _require(x.dim() == ndim, f"{name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}")
-    _require(x.dtype in FLOAT_DTYPES, f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {x.dtype}", TypeError)
+    _require(isinstance(x, torch.Tensor), lambda: f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
+    _require(x.dim() == ndim, lambda: f"{name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}")
+    _require(x.dtype in FLOAT_DTYPES, lambda: f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {x.dtype}", TypeError)
 
 
 def _wants_value_checks(cu_seqlens: torch.Tensor, validate_cu_seqlens: bool | None) -> bool:
@@ -55,16 +58,16 @@ def _wants_value_checks(cu_seqlens: torch.Tensor, validate_cu_seqlens: bool | No
 
 def check_cu_seqlens(cu_seqlens, seq_len: int, batch: int, validate_values: bool | None = None) -> int:
     """Validate ``cu_seqlens`` and return the number of sequences N."""
-    _require(isinstance(cu_seqlens, torch.Tensor), f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}", TypeError)
-    _require(cu_seqlens.dim() == 1, f"cu_seqlens must be 1-D [N + 1], got shape {tuple(cu_seqlens.shape)}")
-    _require(cu_seqlens.dtype in INDEX_DTYPES, f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}", TypeError)
-    _require(cu_seqlens.numel() >= 2, f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
-    _require(batch == 1, f"q must have batch size 1 when cu_seqlens is given (sequences are packed along T), got B={batch}")
+    _require(isinstance(cu_seqlens, torch.Tensor), lambda: f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}", TypeError)
+    _require(cu_seqlens.dim() == 1, lambda: f"cu_seqlens must be 1-D [N + 1], got shape {tuple(cu_seqlens.shape)}")
+    _require(cu_seqlens.dtype in INDEX_DTYPES, lambda: f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}", TypeError)
+    _require(cu_seqlens.numel() >= 2, lambda: f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
+    _require(batch == 1, lambda: f"q must have batch size 1 when cu_seqlens is given (sequences are packed along T), got B={batch}")
     if _wants_value_checks(cu_seqlens, validate_values):
         values = cu_seqlens.detach().to("cpu", torch.int64)
-        _require(int(values[0]) == 0, f"cu_seqlens must start at 0, got {int(values[0])}")
+        _require(int(values[0]) == 0, lambda: f"cu_seqlens must start at 0, got {int(values[0])}")
         _require(bool((values[1:] >= values[:-1]).all()), "cu_seqlens must be non-decreasing")
-        _require(int(values[-1]) == seq_len, f"cu_seqlens must end at T={seq_len}, got {int(values[-1])}")
+        _require(int(values[-1]) == seq_len, lambda: f"cu_seqlens must end at T={seq_len}, got {int(values[-1])}")
     return cu_seqlens.numel() - 1
 
 
@@ -80,24 +83,24 @@ def check_inputs(
 
     batch, seq_len, num_qk_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[2], v.shape[3]
-    _require(k.shape == q.shape, f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    _require(v.shape[:2] == q.shape[:2], f"v must be [B, T, Hv, V] with B, T = {tuple(q.shape[:2])}, got {tuple(v.shape)}")
-    _require(g.shape == v.shape[:3], f"g must be [B, T, Hv] = {tuple(v.shape[:3])}, got {tuple(g.shape)}")
-    _require(beta.shape == v.shape[:3], f"beta must be [B, T, Hv] = {tuple(v.shape[:3])}, got {tuple(beta.shape)}")
-    _require(k.dtype == q.dtype, f"k must have q's dtype {q.dtype}, got {k.dtype}", TypeError)
-    _require(v.dtype == q.dtype, f"v must have q's dtype {q.dtype}, got {v.dtype}", TypeError)
+    _require(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    _require(v.shape[:2] == q.shape[:2], lambda: f"v must be [B, T, Hv, V] with B, T = {tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    _require(g.shape == v.shape[:3], lambda: f"g must be [B, T, Hv] = {tuple(v.shape[:3])}, got {tuple(g.shape)}")
+    _require(beta.shape == v.shape[:3], lambda: f"beta must be [B, T, Hv] = {tuple(v.shape[:3])}, got {tuple(beta.shape)}")
+    _require(k.dtype == q.dtype, lambda: f"k must have q's dtype {q.dtype}, got {k.dtype}", TypeError)
+    _require(v.dtype == q.dtype, lambda: f"v must have q's dtype {q.dtype}, got {v.dtype}", TypeError)
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _require(x.device == q.device, f"{name} must be on q's device {q.device}, got {x.device}")
+        _require(x.device == q.device, lambda: f"{name} must be on q's device {q.device}, got {x.device}")
     _require(num_qk_heads > 0 and num_v_heads % num_qk_heads == 0,
-             f"v's head count Hv={num_v_heads} must be a multiple of q's head count Hqk={num_qk_heads}")
-    _require(0 < head_k <= MAX_HEAD_DIM, f"q's head dimension K must be in [1, {MAX_HEAD_DIM}], got {head_k}")
-    _require(0 < head_v <= MAX_HEAD_DIM, f"v's head dimension V must be in [1, {MAX_HEAD_DIM}], got {head_v}")
+             lambda: f"v's head count Hv={num_v_heads} must be a multiple of q's head count Hqk={num_qk_heads}")
+    _require(0 < head_k <= MAX_HEAD_DIM, lambda: f"q's head dimension K must be in [1, {MAX_HEAD_DIM}], got {head_k}")
+    _require(0 < head_v <= MAX_HEAD_DIM, lambda: f"v's head dimension V must be in [1, {MAX_HEAD_DIM}], got {head_v}")
 
     if scale is None:
         scale = head_k**-0.5
     _require(isinstance(scale, (int, float)) and not isinstance(scale, bool),
-             f"scale must be a Python float or None, got {type(scale).__name__}", TypeError)
-    _require(math.isfinite(scale), f"scale must be finite, got {scale}")
+             lambda: f"scale must be a Python float or None, got {type(scale).__name__}", TypeError)
+    _require(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
 
     if cu_seqlens is not None:
         num_seqs = check_cu_seqlens(cu_seqlens, seq_len, batch, validate_cu_seqlens)
@@ -111,8 +114,8 @@ def check_inputs(
         expected = (num_seqs, num_v_heads, head_v, head_k) if state_v_first else (num_seqs, num_v_heads, head_k, head_v)
         layout = "[N, Hv, V, K] (state_v_first=True)" if state_v_first else "[N, Hv, K, V]"
         _require(tuple(initial_state.shape) == expected,
-                 f"initial_state must be {layout} = {expected}, got {tuple(initial_state.shape)}")
-        _require(initial_state.dtype in FLOAT_DTYPES, f"initial_state must be floating, got {initial_state.dtype}", TypeError)
-        _require(initial_state.device == q.device, f"initial_state must be on q's device {q.device}, got {initial_state.device}")
+                 lambda: f"initial_state must be {layout} = {expected}, got {tuple(initial_state.shape)}")
+        _require(initial_state.dtype in FLOAT_DTYPES, lambda: f"initial_state must be floating, got {initial_state.dtype}", TypeError)
+        _require(initial_state.device == q.device, lambda: f"initial_state must be on q's device {q.device}, got {initial_state.device}")
 
     return Problem(batch, seq_len, num_qk_heads, num_v_heads, head_k, head_v, num_seqs, float(scale))

@@ -16,13 +16,14 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK
 
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_states(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int | None = None,
                        num_stages: int = 2):
-    return _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v or head_v, num_stages)
+    return Launcher(_chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v or head_v, num_stages))
 
 
 @tilelang.jit

@@ -21,6 +21,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import (BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse,
                     kernel_gate_dtype)
 
@@ -28,7 +29,7 @@ from .tiles import (BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse,
 @functools.lru_cache(maxsize=None)
 def build_kkt_solve(head_k: int, dtype: str, gate_dtype: str, threads: int = 128):
     """Compile (or fetch) the kernel for one head configuration. dtype names as TileLang's."""
-    return _kkt_solve_kernel(head_k, dtype, gate_dtype, threads)
+    return Launcher(_kkt_solve_kernel(head_k, dtype, gate_dtype, threads))
 
 
 @tilelang.jit

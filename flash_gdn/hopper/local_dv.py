@@ -20,12 +20,13 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
 def build_local_dv(head_k: int, head_v: int, dtype: str):
-    return _local_dv_kernel(head_k, head_v, dtype)
+    return Launcher(_local_dv_kernel(head_k, head_v, dtype))
 
 
 @tilelang.jit

@@ -16,6 +16,7 @@ import functools
 
 import tilelang
 import tilelang.language as T
+from .launch import Launcher
 
 CHUNK = 64
 PREFIX_THREADS = 256
@@ -24,12 +25,12 @@ CUT_THREADS = 128
 
 @functools.lru_cache(maxsize=None)
 def build_sequence_prefix(index_dtype: str):
-    return _sequence_prefix_kernel(index_dtype)
+    return Launcher(_sequence_prefix_kernel(index_dtype))
 
 
 @functools.lru_cache(maxsize=None)
 def build_cut_pieces():
-    return _cut_pieces_kernel()
+    return Launcher(_cut_pieces_kernel())
 
 
 @tilelang.jit

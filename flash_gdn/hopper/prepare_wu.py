@@ -25,12 +25,13 @@ import tilelang.language as T
 import torch
 
 from ..planning import ChunkPlan, plan_for
+from .launch import Launcher
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False):
-    return _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse)
+    return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse))
 
 
 @tilelang.jit
@@ -192,6 +193,20 @@ class Prepared(NamedTuple):
     a_r: torch.Tensor | None = None
 
 
+_UNUSED_INVERSE: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_inverse(dev: torch.device) -> torch.Tensor:
+    """The A_r argument of the variant that does not write it (never read or written): one
+    small buffer per device, kept across calls (not from a graph capture's memory pool)."""
+    buf = _UNUSED_INVERSE.get(dev)
+    if buf is None:
+        buf = torch.empty(1, 1, CHUNK, CHUNK, dtype=torch.float16, device=dev)
+        if dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _UNUSED_INVERSE[dev] = buf
+    return buf
+
+
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
                 write_inverse: bool = False) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
@@ -210,12 +225,13 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    # gamma per value head and chunk (gamma_C past the chunk's end): one 16-byte-aligned TMA box.
-    gamma = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    q_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    k_norm_inv = torch.empty(hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    a_r = torch.empty(num_chunks if write_inverse else 1, hv if write_inverse else 1, CHUNK, CHUNK,
-                      dtype=torch.float16, device=dev)
+    # gamma per value head and chunk (gamma_C past the chunk's end): one 16-byte-aligned TMA box;
+    # the inverse row norms of q and k alike per q/k head. One allocation for the three (host
+    # time: each torch.empty is a few us on the GPU host), rows of 256 bytes keep the alignment.
+    factors = torch.empty(hv + 2 * hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    gamma, q_norm_inv, k_norm_inv = factors.split_with_sizes((hv, hqk, hqk))
+    a_r = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev) if write_inverse
+           else _unused_inverse(dev))
     build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], write_inverse)(
         kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r
     )

@@ -25,12 +25,13 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
 def build_qk_grads(head_k: int, head_v: int, dtype: str):
-    return _qk_grads_kernel(head_k, head_v, dtype)
+    return Launcher(_qk_grads_kernel(head_k, head_v, dtype))
 
 
 @tilelang.jit

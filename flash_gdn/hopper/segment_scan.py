@@ -25,6 +25,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM
 
 BLOCK_COLS = 32
@@ -35,7 +36,7 @@ def build_segment_scan(head_k: int, head_v: int, has_initial: bool, reverse: boo
     """Forward: ``(seg_state, seg_state, seg_meta, h0, seg_init)``, offsets h_s in
     ``seg_state[..., :V]``. Reverse (``reverse``): ``(seg_state, b, seg_meta, dht, ds_end)``
     with offsets ``b`` ``[S, Hv, K, V]``, see ``_segment_scan_kernel``."""
-    return _segment_scan_kernel(head_k, head_v, has_initial, reverse, head_v if reverse else head_v + head_k)
+    return Launcher(_segment_scan_kernel(head_k, head_v, has_initial, reverse, head_v if reverse else head_v + head_k))
 
 
 SPLIT = "bfloat16"

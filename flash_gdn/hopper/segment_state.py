@@ -18,6 +18,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK
 
 BLOCK_COLS = 64
@@ -25,7 +26,7 @@ BLOCK_COLS = 64
 
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, num_stages: int = 2):
-    return _segment_state_kernel(head_k, head_v, dtype, num_stages)
+    return Launcher(_segment_state_kernel(head_k, head_v, dtype, num_stages))
 
 
 @tilelang.jit

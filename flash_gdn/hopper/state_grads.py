@@ -24,13 +24,14 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK
 
 
 @functools.lru_cache(maxsize=None)
 def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, block_v: int | None = None,
                       num_stages: int = 2):
-    return _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v or head_v, num_stages)
+    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v or head_v, num_stages))
 
 
 @tilelang.jit

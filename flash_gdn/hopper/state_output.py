@@ -32,13 +32,14 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
 def build_state_output(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int = 128,
                        num_stages: int = 2):
-    return _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages)
+    return Launcher(_state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages))
 
 
 @tilelang.jit

@@ -30,6 +30,7 @@ import tilelang
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK
 
 # Every warpgroup owns 64 rows of V in all register-operand products (its rows of S^T stay its own).
@@ -38,7 +39,7 @@ ROWS = T.GemmWarpPolicy.FullRow
 
 @functools.lru_cache(maxsize=None)
 def build_state_output_vmajor(head_k: int, head_v: int, dtype: str, has_initial: bool, num_stages: int = 2):
-    return _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages)
+    return Launcher(_state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages))
 
 
 @tilelang.jit

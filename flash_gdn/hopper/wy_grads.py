@@ -20,12 +20,13 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .launch import Launcher
 from .tiles import ACCUM, CHUNK, HALF, pair_decay
 
 
 @functools.lru_cache(maxsize=None)
 def build_wy_grads(head_k: int, head_v: int, dtype: str, gate_dtype: str):
-    return _wy_grads_kernel(head_k, head_v, dtype, gate_dtype)
+    return Launcher(_wy_grads_kernel(head_k, head_v, dtype, gate_dtype))
 
 
 @tilelang.jit
