@@ -27,17 +27,19 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import chunk_capacity
+from ..planning import chunk_capacity, segment_capacity
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .context_parallel import backward_segment_chunks_for, num_sms
 from .local_dv import build_local_dv
-from .prepare_wu import run_prepare
+from .plan_kernels import build_cut_pieces, build_sequence_prefix
+from .prebuild import build_together
+from .prepare_wu import build_prepare_wu, run_prepare
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_grads import build_state_grads
-from .tiles import CHUNK, TL_DTYPE
+from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 from .wy_grads import build_wy_grads
 
 
@@ -77,6 +79,8 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     saved = saved or {}
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
+    _build_kernels(problem, tl_dtype, TL_DTYPE[kernel_gate_dtype(g, beta, dtype)], cu_seqlens, initial_state, dht,
+                   max_chunks, seg_chunks, saved, dev)
     prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks,
                                                 write_inverse=True)
     qf, kf, vf, bf, w, u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.u, prep.gamma, prep.a_r
@@ -200,6 +204,40 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
                      chunk_bounds=plan.chunk_bounds, dk_wy=dk_wy.view(batch, seq_len, hv, dk),
                      dgamma_wy_chunks=dgamma_wy)
     return grads
+
+
+def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, max_chunks, seg_chunks, saved, dev):
+    """Compile the kernels this call launches side by side at their first use (``prebuild``;
+    a kernel left out here is still compiled when it first launches)."""
+    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
+    index_dtype = None if cu_seqlens is None else str(cu_seqlens.dtype).removeprefix("torch.")
+    prepare, recompute, cp = "prepared" not in saved, "h" not in saved, seg_chunks is not None
+    has_h0, has_dht = h0 is not None, dht is not None
+    runs = problem.num_seqs if not cp else segment_capacity(max_chunks, problem.num_seqs, seg_chunks)  # plan rows
+    block_v = state_block_v(dv, runs, hv, dev)
+    key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, recompute, cp, has_h0, has_dht, block_v)
+
+    def builders():
+        kernels = [lambda: build_local_dv(dk, dv, tl_dtype), lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
+                   lambda: build_qk_grads(dk, dv, tl_dtype)]
+        if prepare:
+            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, True))
+            if index_dtype is not None:
+                kernels += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
+        if recompute:
+            kernels.append(lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v))
+        if cp:
+            kernels += [lambda: build_segment_state(dk, dv, tl_dtype),
+                        lambda: build_segment_scan(dk, dv, has_dht, reverse=True),
+                        lambda: build_state_grads(dk, dv, tl_dtype, False, block_v),
+                        lambda: build_state_grads(dk, dv, tl_dtype, True, block_v)]
+            if recompute:
+                kernels.append(lambda: build_segment_scan(dk, dv, has_h0))
+        else:
+            kernels.append(lambda: build_state_grads(dk, dv, tl_dtype, has_dht, block_v))
+        return kernels
+
+    build_together(key, builders)
 
 
 def _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, seg_state, run_init, problem, tl_dtype):

@@ -11,12 +11,14 @@ import torch
 from ..planning import chunk_capacity
 from ..validation import Problem
 from .context_parallel import segment_chunks_for
-from .prepare_wu import run_prepare
+from .plan_kernels import build_cut_pieces, build_sequence_prefix
+from .prebuild import build_together
+from .prepare_wu import build_prepare_wu, run_prepare
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
-from .tiles import TL_DTYPE
+from .tiles import TL_DTYPE, kernel_gate_dtype
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
@@ -35,6 +37,11 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # the state kernels fold them into their row factors.
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
+    gate_dtype = TL_DTYPE[kernel_gate_dtype(g, beta, q.dtype)]
+    index_dtype = None if cu_seqlens is None else str(cu_seqlens.dtype).removeprefix("torch.")
+    has_h0, cp = initial_state is not None, seg_chunks is not None
+    build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states),
+                   lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states))
     prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, write_inverse=save_states)
     qf, kf, w, u, gamma = prep.q, prep.k, prep.w, prep.u, prep.gamma
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
@@ -87,3 +94,18 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1]) if save_states else {}
     return o.view(batch, seq_len, hv, dv), final_state, extras
 
+
+def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states):
+    """The kernels one forward call launches (``prebuild``: compiled together at first use;
+    one left out here is still compiled when it first launches)."""
+    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, save_states)]
+    if index_dtype is not None:  # the varlen chunk map (plan_kernels)
+        builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
+    if cp:
+        builders += [lambda: build_segment_state(dk, dv, tl_dtype), lambda: build_segment_scan(dk, dv, has_h0)]
+    output_h0 = has_h0 or cp
+    if save_states:
+        builders.append(lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv))
+    else:
+        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0))
+    return builders
