@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import torch
 
-def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> list[str]:
-    """Build every forward kernel variant for ``head_dim`` and ``dtypes`` on this GPU.
+
+def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,), backward: bool = False) -> list[str]:
+    """Build every forward kernel variant (and with ``backward`` every backward one) for
+    ``head_dim`` and ``dtypes`` on this GPU, side by side in threads (``hopper.prebuild``).
 
     Head counts and sequence lengths are symbolic in the kernels, so one warm-up covers
     every head configuration and every batch. Returns the names of the variants built.
     """
+    from .hopper.prebuild import run_concurrently
     from .hopper.tiles import TL_DTYPE
-    from .hopper.variants import kernel_builders, planning_builders
+    from .hopper.variants import backward_kernel_builders, kernel_builders, planning_builders
 
-    built = []
-    for name, build in planning_builders():
-        build()
-        built.append(name)
+    named = list(planning_builders())
     for dtype in dtypes:
-        for name, build in kernel_builders(head_dim, TL_DTYPE[dtype]):
-            build()
-            built.append(name)
-    return built
+        named += kernel_builders(head_dim, TL_DTYPE[dtype])
+        if backward:
+            named += backward_kernel_builders(head_dim, TL_DTYPE[dtype])
+    run_concurrently([build for _, build in named])
+    return [name for name, _ in named]

@@ -62,3 +62,17 @@ def test_worker_threads_compile_for_the_callers_target():
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):  # no GPU here: only the context names the arch
         kernels = run_concurrently([lambda: build_sequence_prefix("int64"), build_cut_pieces])
     assert all("__global__" in k.get_kernel_source() for k in kernels)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_warmup_builds_every_variant_of_a_head_size():
+    from tilelang import tvm
+
+    from flash_gdn import warmup
+    from flash_gdn.hopper.variants import backward_kernel_builders, kernel_builders, planning_builders
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        names = warmup(head_dim=128, backward=True)
+    expected = planning_builders() + kernel_builders(128, "bfloat16") + backward_kernel_builders(128, "bfloat16")
+    assert names == [name for name, _ in expected]
