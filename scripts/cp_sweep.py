@@ -10,11 +10,8 @@ per segment (FLASH_GDN_CP_SEGMENT_CHUNKS). Prints one line per (row, setting), i
 import os
 import sys
 
-import torch
-
-from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_gdn.bench.timing import eager_time_ms, graph_time_ms, kernel_time_ms
-from profile_kernels import row_inputs  # scripts/ is on sys.path when run as a script
+from profile_kernels import row_inputs, row_step  # scripts/ is on sys.path when run as a script
 
 
 def apply(setting):
@@ -30,14 +27,8 @@ def main(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     rows, settings = argv[:split], argv[split + 1:] or ["off", "auto"]
     for spec in rows:
-        x = row_inputs(spec)
-        if backward:  # the forward under the library's own choice; the setting applies to the backward
-            apply("auto")
-            _, _, saved = chunk_gated_delta_rule_fwd(**x)
-            do = torch.randn_like(x["v"])
-            step = lambda: chunk_gated_delta_rule_bwd(do, None, saved)  # noqa: E731
-        else:
-            step = lambda: chunk_gated_delta_rule(**x)  # noqa: E731
+        apply("auto")  # with --bwd the forward runs under the library's choice; the settings apply to the backward
+        step = row_step(row_inputs(spec), backward)
         for setting in settings:
             apply(setting)
             step()

@@ -25,19 +25,24 @@ from flash_gdn.hopper import backward, context_parallel, forward, prepare_wu
 
 
 class Count(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, where=False):
         super().__init__()
         self.ops = collections.Counter()
-        self.sites = collections.Counter()
+        self.sites = collections.Counter() if where else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket.__name__)
         self.ops[name] += 1
-        # The innermost flash_gdn line that dispatched it (with --where).
-        ours = [f for f in traceback.extract_stack() if "/flash_gdn/" in f.filename]
-        if ours:
-            self.sites[f"{name} {ours[-1].filename.split('/flash_gdn/')[-1]}:{ours[-1].lineno}"] += 1
+        if self.sites is not None:  # the innermost flash_gdn line that dispatched it
+            ours = [f for f in traceback.extract_stack() if "/flash_gdn/" in f.filename]
+            if ours:
+                self.sites[f"{name} {ours[-1].filename.split('/flash_gdn/')[-1]}:{ours[-1].lineno}"] += 1
         return func(*args, **(kwargs or {}))
+
+    def report(self, label):
+        print(f"{label} {sum(self.ops.values())} ops: {dict(self.ops.most_common())}")
+        if self.sites is not None:
+            print("  " + "\n  ".join(f"{n} x {site}" for site, n in sorted(self.sites.items())))
 
 
 def stub(*_args, **_kw):
@@ -73,22 +78,18 @@ def main(specs, backward_too=True, where=False):
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist())).to(dev)
         call = lambda: api.chunk_gated_delta_rule_fwd(q, q, v, g, g, cu_seqlens=cu)  # noqa: E731
         call()
-        with Count() as c:
+        with Count(where) as c:
             _, _, saved = call()
         t0 = time.perf_counter()
         for _ in range(20):
             call()
         host = (time.perf_counter() - t0) / 20 * 1e6
-        print(f"{spec}: forward {sum(c.ops.values())} ops, {host:.0f} us host (meta): {dict(c.ops.most_common())}")
-        if where:
-            print("  " + "\n  ".join(f"{n} x {site}" for site, n in sorted(c.sites.items())))
+        c.report(f"{spec}: forward ({host:.0f} us host on meta)")
         if backward_too:
             do = torch.empty_like(v)
-            with Count() as c:
+            with Count(where) as c:
                 api.chunk_gated_delta_rule_bwd(do, None, saved)
-            print(f"{spec}: backward {sum(c.ops.values())} ops: {dict(c.ops.most_common())}")
-            if where:
-                print("  " + "\n  ".join(f"{n} x {site}" for site, n in sorted(c.sites.items())))
+            c.report(f"{spec}: backward")
 
 
 if __name__ == "__main__":

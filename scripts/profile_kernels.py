@@ -28,14 +28,18 @@ def row_inputs(spec: str) -> dict:
     return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu)
 
 
+def row_step(x: dict, backward: bool):
+    """One call to time on inputs ``x``: the forward, or the backward of a forward run now
+    (under the environment's CP setting at this moment)."""
+    if not backward:
+        return lambda: chunk_gated_delta_rule(**x)
+    _, _, saved = chunk_gated_delta_rule_fwd(**x)
+    do = torch.randn_like(x["v"])
+    return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
+
+
 def profile_row(spec: str, backward: bool, iters: int = 5) -> None:
-    x = row_inputs(spec)
-    if backward:
-        _, _, saved = chunk_gated_delta_rule_fwd(**x)
-        do = torch.randn_like(x["v"])
-        step = lambda: chunk_gated_delta_rule_bwd(do, None, saved)  # noqa: E731
-    else:
-        step = lambda: chunk_gated_delta_rule(**x)  # noqa: E731
+    step = row_step(row_inputs(spec), backward)
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -16,6 +16,7 @@ import functools
 
 import tilelang
 import tilelang.language as T
+
 from .launch import Launcher
 
 CHUNK = 64
