@@ -34,7 +34,7 @@ from .context_parallel import backward_segment_chunks_for, num_sms
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import build_prepare_wu, run_prepare
+from .prepare_wu import build_prepare_wu, run_prepare, unused_buffer
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -221,7 +221,7 @@ def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, max_chunk
         kernels = [lambda: build_local_dv(dk, dv, tl_dtype), lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
                    lambda: build_qk_grads(dk, dv, tl_dtype)]
         if prepare:
-            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, True))
+            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, True, True, False))
             if index_dtype is not None:
                 kernels += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
         if recompute:
@@ -245,8 +245,10 @@ def _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, seg_state, run_i
     but the first's). Without ``run_init`` (saved chunk states: U was dropped and only M is
     needed) W (same shape, K = V) stands in for U, and the h columns come out meaningless and
     unread."""
+    u = u if run_init is not None else w
+    unused_au = unused_buffer(kf.device, kf.dtype, (1, 1, CHUNK, CHUNK))  # U is read, not formed: V and A_g unused
     build_segment_state(problem.head_k, problem.head_v, tl_dtype)(
-        kf, w, u if run_init is not None else w, gamma, k_norm_inv, segs.seg_info, seg_state
+        kf, w, u, u, unused_au, gamma, k_norm_inv, segs.seg_info, seg_state
     )
 
 

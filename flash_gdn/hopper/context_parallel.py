@@ -30,6 +30,8 @@ MIN_SEGMENT_CHUNKS = 16
 SHORT_ROW_CHUNKS = 40
 SHORT_MAX_V_HEADS = 16
 SHORT_MIN_SEGMENT_CHUNKS = 8
+# CP only where each sequence would be cut into at least this many segments.
+MIN_SEGMENTS_PER_SEQUENCE = 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +69,13 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     With 24 and 32 value heads those short rows do not gain (8/24 x 1x2048 even; 8/32, 16/32
     and 32/32 x 1x2048 7 % slower with 9-chunk segments than with 16): 8 only up to
     SHORT_MAX_V_HEADS.
+    Since the V-major forward forms U itself (prepare_wu 29 % faster without CP), CP pays only
+    where the SMs allow three or more segments per sequence (``MIN_SEGMENTS_PER_SEQUENCE``;
+    forward kernel time off -> on, H200, ms): with two it loses - 16/64 x 1x32768 1.96 ->
+    2.21, 16/64 x 1x8192 0.50 -> 0.58, 16/48 x 1x16384 0.90 -> 0.97, 8/32 x 16384+16384
+    0.98 -> 1.11 - and with four or more it wins - 8/32 x 1x32768 1.65 -> 1.28, 16/32 x
+    1x8192 0.43 -> 0.36, 32/32 x 1x4096 0.22 -> 0.21, 8/24 x 1x8192 0.41 -> 0.29, 4/16 x
+    16384+16384 0.83 -> 0.66, 4/16 x 1x32768 1.51 -> 0.73, 16/16 x 1x8192 0.39 -> 0.24.
     The segment lengths are set from shapes only (no host synchronisation), so with varlen
     every sequence is cut at the same length: long ones into several segments, short ones
     not at all (their transition pass is skipped: nothing follows a sequence's last segment).
@@ -74,7 +83,7 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     if _overridden():
         return _override()
     target_segments = _sm_count(device) // num_v_heads
-    if target_segments <= num_seqs:
+    if target_segments < MIN_SEGMENTS_PER_SEQUENCE * num_seqs:
         return None
     short = max_chunks <= SHORT_ROW_CHUNKS and num_v_heads <= SHORT_MAX_V_HEADS
     shortest = SHORT_MIN_SEGMENT_CHUNKS if short else MIN_SEGMENT_CHUNKS

@@ -13,12 +13,12 @@ from ..validation import Problem
 from .context_parallel import segment_chunks_for
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import build_prepare_wu, run_prepare
+from .prepare_wu import build_prepare_wu, run_prepare, unused_buffer
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
-from .tiles import TL_DTYPE, kernel_gate_dtype
+from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
@@ -42,8 +42,19 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     has_h0, cp = initial_state is not None, seg_chunks is not None
     build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states),
                    lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states))
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, write_inverse=save_states)
-    qf, kf, w, u, gamma = prep.q, prep.k, prep.w, prep.u, prep.gamma
+    # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
+    # from prepare_wu); the saved-state kernel reads U.
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, write_inverse=save_states,
+                       write_u=save_states, write_au=not save_states)
+    qf, kf, w, gamma = prep.q, prep.k, prep.w, prep.gamma
+    # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major);
+    # the segment transitions' (U, V, A_g), of which they read U or the other two.
+    if save_states:
+        u_or_v_au = (prep.u,)
+        transition_sources = (prep.u, prep.v, unused_buffer(q.device, q.dtype, (1, 1, CHUNK, CHUNK)))
+    else:
+        u_or_v_au = (prep.v, prep.a_u)
+        transition_sources = (unused_buffer(q.device, q.dtype, (1, 1, dv)), prep.v, prep.a_u)
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
 
     h0 = None
@@ -68,14 +79,16 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
         # Without an initial state the kernel is compiled not to read one (any buffer will do).
         state_output(has_initial=h0 is not None)(
-            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, plan.seq_info, final_state if h0 is None else h0,
+            qf, kf, w, *u_or_v_au, gamma, q_norm_inv, k_norm_inv, plan.seq_info, final_state if h0 is None else h0,
             problem.scale, o, final_state, *saved,
         )
     else:
         segs = plan.segments
         capacity = segs.seg_info.shape[0]
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
-        build_segment_state(dk, dv, tl_dtype)(kf, w, u, gamma, k_norm_inv, segs.transition_info, seg_state)
+        build_segment_state(dk, dv, tl_dtype, not save_states)(
+            kf, w, *transition_sources, gamma, k_norm_inv, segs.transition_info, seg_state
+        )
         seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         # Without an initial state the scan is compiled not to read one (any buffer will do).
         build_segment_scan(dk, dv, h0 is not None)(
@@ -83,7 +96,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         )
         seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         state_output(has_initial=True)(
-            qf, kf, w, u, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final, *saved
+            qf, kf, w, *u_or_v_au, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final, *saved
         )
         final_state = seg_final[segs.last_seg] if output_final_state else None
 
@@ -91,18 +104,19 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
     else:
         final_state = None
-    extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1]) if save_states else {}
+    extras = dict(prepared=prep._replace(u=None, a_u=None), h=saved[0], v_new=saved[1]) if save_states else {}
     return o.view(batch, seq_len, hv, dv), final_state, extras
 
 
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
-    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, save_states)]
+    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, save_states, save_states, not save_states)]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
     if cp:
-        builders += [lambda: build_segment_state(dk, dv, tl_dtype), lambda: build_segment_scan(dk, dv, has_h0)]
+        builders += [lambda: build_segment_state(dk, dv, tl_dtype, not save_states),
+                     lambda: build_segment_scan(dk, dv, has_h0)]
     output_h0 = has_h0 or cp
     if save_states:
         builders.append(lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv))

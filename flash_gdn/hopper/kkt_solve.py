@@ -5,7 +5,7 @@ I + SL(B (K K^T * Gamma)) = D (I + SL(B K K^T)) D^-1. One CTA per (chunk, value 
 
 1. load the chunk's keys (rows past the chunk's end read as 0) and betas;
 2. K K^T on the tensor cores (fp32 accumulate);
-3. L = SL(B K K^T) into shared memory;
+3. L = SL(B K K^T) in registers;
 4. the blocked inverse of ``tiles.blocked_unit_lower_inverse`` (16x16 diagonal blocks by
    substitution, two tensor-core merges);
 5. rows of the chunk written to ``a_r[token, head, :]``; the chunk-local cumsum of g
@@ -54,7 +54,7 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
             beta_s = T.alloc_shared((CHUNK,), accum)
             g_s = T.alloc_shared((CHUNK,), accum)
             gamma_s = T.alloc_shared((CHUNK,), accum)
-            lower = T.alloc_shared((CHUNK, CHUNK), accum)
+            lower_diag = T.alloc_shared((CHUNK, BLOCK), accum)
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
             diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
             off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
@@ -75,8 +75,8 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], accum), T.cast(0, accum))
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    lower[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, accum))
-                blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
+                    kkt[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, accum))
+                blocked_unit_lower_inverse(kkt, lower_diag, diag16, diag32, off16, off32, scratch, column, inv)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i < length:

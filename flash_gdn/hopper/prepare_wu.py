@@ -6,7 +6,11 @@ Per chunk and value head (DESIGN section 2), with A_r the gate-free inverse:
     U = A_g V
     W = A_g D K,  i.e.  W = (e^gamma_i A_r[i, j] beta_j) K
 
-so that the state stage only needs V_new = U - W S.
+so that the state stage only needs V_new = U - W S. Which of them go to HBM depends on the
+caller: the forward's V-major state kernel forms U = A_g V itself from V and A_g (written
+here in the input dtype, ``write_au``; 8 KB per chunk and head instead of U's 16 KB, and this
+kernel skips V and the U product); the segment transitions of context parallelism, the
+saved-state forward and the backward read U (``write_u``).
 
 Fused L2 norm (``normalize`` = 1): K K^T's diagonal gives |k_i|^2, so with
 r_i = 1 / sqrt(|k_i|^2 + 1e-6) the normalised keys enter as K K^T -> r_i (K K^T)_ij r_j and
@@ -30,12 +34,13 @@ from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inver
 
 
 @functools.lru_cache(maxsize=None)
-def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False):
-    return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse))
+def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
+                     write_u: bool = True, write_au: bool = False):
+    return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au))
 
 
 @tilelang.jit
-def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads=128):
+def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, threads=128):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -43,6 +48,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
     # a_r has its own extents: without write_inverse it is not touched and any small buffer will do.
     inverse_chunks = T.dynamic("inverse_chunks")
     inverse_heads = T.dynamic("inverse_heads")
+    # Likewise U and A_g when not written.
+    u_tokens = T.dynamic("u_tokens") if not write_u else tokens
+    u_heads = T.dynamic("u_heads") if not write_u else num_v_heads
+    au_chunks = T.dynamic("au_chunks")
+    au_heads = T.dynamic("au_heads")
 
     @T.prim_func
     def prepare_wu(
@@ -52,17 +62,18 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
         beta: T.Tensor((tokens, num_v_heads), gate_dtype),
         bounds: T.Tensor((num_chunks, 2), "int32"),
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
-        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        u: T.Tensor((u_tokens, u_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         normalize: T.int32,
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         a_r: T.Tensor((inverse_chunks, inverse_heads, CHUNK, CHUNK), HALF),
+        a_u_out: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            v_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            v_tile = T.alloc_shared((CHUNK, head_v), dtype) if write_u else None
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
             g_s = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
@@ -70,7 +81,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             qqt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
-            lower = T.alloc_shared((CHUNK, CHUNK), ACCUM)
+            lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM)
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
             diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
             off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
@@ -81,7 +92,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
             a_w = T.alloc_shared((CHUNK, CHUNK), dtype)
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-            u_acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
+            u_acc = T.alloc_fragment((CHUNK, head_v), ACCUM) if write_u else None
             w_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
             qk_head = T.alloc_var("int32")
             start = T.alloc_var("int32")
@@ -91,7 +102,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
             writes_norms = T.alloc_var("int32")
             tx = T.get_thread_binding()
             k_ready = T.alloc_barrier(threads)
-            v_ready = T.alloc_barrier(threads)
+            v_ready = T.alloc_barrier(threads) if write_u else None
 
             qk_head = head // (num_v_heads // num_qk_heads)
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
@@ -102,9 +113,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
                 # beta and g are loaded. Rows past the chunk's end hold the next sequence's tokens:
                 # beta = 0 there makes their rows and columns of A_g vanish.
                 T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
-                T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
                 T.barrier_arrive(k_ready)
-                T.barrier_arrive(v_ready)
+                if write_u:
+                    T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
+                    T.barrier_arrive(v_ready)
                 beta_r = T.cast(0, ACCUM)
                 g_r = T.cast(0, ACCUM)
                 if tx < length:
@@ -122,8 +134,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
                 # Element-wise work in registers (branch-free selects), fragments to shared memory whole.
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i > j, beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[j], T.cast(0, ACCUM))
-                T.copy(kkt, lower)
-                blocked_unit_lower_inverse(lower, diag16, diag32, off16, off32, scratch, column, kkt, inv)
+                blocked_unit_lower_inverse(kkt, lower_diag, diag16, diag32, off16, off32, scratch, column, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
                     T.copy(inv, scratch)
                     T.copy(scratch, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
@@ -136,24 +147,29 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, threads
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     inv[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(inv, a_u)
+                if write_au:  # whole (rows and columns past the chunk's end are zero)
+                    T.copy(a_u, a_u_out[chunk_id, head, 0:CHUNK, 0:CHUNK])
 
                 # W, then U, each staged in the tile it was made from (free once its product is
                 # done) and stored whole by TMA; a sequence's partial last chunk row by row.
                 T.gemm(a_w, k_tile, w_acc, clear_accum=True)
                 T.copy(w_acc, k_tile)
-                T.mbarrier_wait_parity(v_ready, 0)
-                T.gemm(a_u, v_tile, u_acc, clear_accum=True)
-                T.copy(u_acc, v_tile)
+                if write_u:
+                    T.mbarrier_wait_parity(v_ready, 0)
+                    T.gemm(a_u, v_tile, u_acc, clear_accum=True)
+                    T.copy(u_acc, v_tile)
                 if length == CHUNK:
                     T.copy(k_tile, w[start:start + CHUNK, head, 0:head_k])
-                    T.copy(v_tile, u[start:start + CHUNK, head, 0:head_v])
+                    if write_u:
+                        T.copy(v_tile, u[start:start + CHUNK, head, 0:head_v])
                 else:
                     for i, d in T.Parallel(CHUNK, head_k):
                         if i < length:
                             w[start + i, head, d] = k_tile[i, d]
-                    for i, d in T.Parallel(CHUNK, head_v):
-                        if i < length:
-                            u[start + i, head, d] = v_tile[i, d]
+                    if write_u:
+                        for i, d in T.Parallel(CHUNK, head_v):
+                            if i < length:
+                                u[start + i, head, d] = v_tile[i, d]
                 for i in T.Parallel(CHUNK):
                     gamma[head, chunk_id, i] = gamma_s[i]  # = gamma_C past the chunk's end
 
@@ -178,7 +194,9 @@ class Prepared(NamedTuple):
     """What the forward and the backward share after ``prepare_wu``: the chunk plan, the
     inputs flattened to ``[tokens, heads, dim]`` (g and beta in the kernels' gate dtype),
     W, U, gamma ``[Hv, chunks, 64]``, the inverse norms ``[Hqk, chunks, 64]`` and, when asked
-    for (the backward's), each chunk's gate-free inverse A_r ``[chunks, Hv, 64, 64]`` in fp16."""
+    for (the backward's), each chunk's gate-free inverse A_r ``[chunks, Hv, 64, 64]`` in fp16;
+    ``a_u``: A_g ``[chunks, Hv, 64, 64]`` in the input dtype when asked for (U is then None
+    unless asked for too)."""
 
     plan: ChunkPlan
     q: torch.Tensor
@@ -191,27 +209,30 @@ class Prepared(NamedTuple):
     q_norm_inv: torch.Tensor
     k_norm_inv: torch.Tensor
     a_r: torch.Tensor | None = None
+    a_u: torch.Tensor | None = None
 
 
-_UNUSED_INVERSE: dict[torch.device, torch.Tensor] = {}
+_UNUSED: dict[tuple, torch.Tensor] = {}
 
 
-def _unused_inverse(dev: torch.device) -> torch.Tensor:
-    """The A_r argument of the variant that does not write it (never read or written): one
-    small buffer per device, kept across calls (not from a graph capture's memory pool)."""
-    buf = _UNUSED_INVERSE.get(dev)
+def unused_buffer(dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The argument for an output a variant does not write (A_r, U or A_g; never read or
+    written): one small buffer per device and dtype, kept across calls (not from a graph
+    capture's memory pool)."""
+    key = (dev, dtype, shape)
+    buf = _UNUSED.get(key)
     if buf is None:
-        buf = torch.empty(1, 1, CHUNK, CHUNK, dtype=torch.float16, device=dev)
+        buf = torch.empty(shape, dtype=dtype, device=dev)
         if dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _UNUSED_INVERSE[dev] = buf
+            _UNUSED[key] = buf
     return buf
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                write_inverse: bool = False) -> Prepared:
+                write_inverse: bool = False, write_u: bool = True, write_au: bool = False) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``write_inverse``: keep A_r for the
-    backward (128 bytes per token and value head)."""
+    backward (128 bytes per token and value head); ``write_u`` / ``write_au``: U, A_g or both."""
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     dtype, dev = q.dtype, q.device
@@ -224,15 +245,18 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks)
     num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
-    u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))
+    a_u = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=dtype, device=dev) if write_au
+           else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
     # gamma per value head and chunk (gamma_C past the chunk's end): one 16-byte-aligned TMA box;
     # the inverse row norms of q and k alike per q/k head. One allocation for the three (host
     # time: each torch.empty is a few us on the GPU host), rows of 256 bytes keep the alignment.
     factors = torch.empty(hv + 2 * hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
     gamma, q_norm_inv, k_norm_inv = factors.split_with_sizes((hv, hqk, hqk))
     a_r = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev) if write_inverse
-           else _unused_inverse(dev))
-    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], write_inverse)(
-        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r
+           else unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK)))
+    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], write_inverse, write_u, write_au)(
+        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u
     )
-    return Prepared(plan, qf, kf, vf, bf, w, u, gamma, q_norm_inv, k_norm_inv, a_r if write_inverse else None)
+    return Prepared(plan, qf, kf, vf, bf, w, u if write_u else None, gamma, q_norm_inv, k_norm_inv,
+                    a_r if write_inverse else None, a_u if write_au else None)

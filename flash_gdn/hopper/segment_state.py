@@ -7,7 +7,9 @@ as a left multiplication:
     S <- e^gamma_C S + K_g^T (U - W S) = (e^gamma_C I - K_g^T W) S + K_g^T U
 
 so h is the recurrence run from S = 0 with the real U, and M the same recurrence run from
-S = I with U = 0. One CTA per (64-column block of [h | M], segment, value head); columns
+S = I with U = 0. With ``form_u`` (the forward), U = A_g V is formed here from V and
+``prepare_wu``'s A_g (one 64x64x64 product beside W S; the M columns weight it by 0) and
+``u`` is not read; without (the backward), U is read and ``v``, ``a_u`` are not. One CTA per (64-column block of [h | M], segment, value head); columns
 0..V-1 are h, columns V..V+K-1 are M. Both are written in fp32 to ``seg_state``
 ``[segments, Hv, K, V + K]``. A sequence's last segment needs neither (nothing follows it):
 the plan hands those in empty, and their CTAs write nothing.
@@ -25,24 +27,30 @@ BLOCK_COLS = 64
 
 
 @functools.lru_cache(maxsize=None)
-def build_segment_state(head_k: int, head_v: int, dtype: str, num_stages: int = 2):
-    return Launcher(_segment_state_kernel(head_k, head_v, dtype, num_stages))
+def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, num_stages: int = 2):
+    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, num_stages))
 
 
 @tilelang.jit
-def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
+def _segment_state_kernel(head_k, head_v, dtype, form_u, num_stages, threads=128):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
     num_segs = T.dynamic("num_segs")
     h_blocks = head_v // BLOCK_COLS
+    # U, V and A_g have extents of their own: the ones a variant does not read may be any small buffer.
+    u_tokens, u_heads = T.dynamic("u_tokens"), T.dynamic("u_heads")
+    v_tokens, v_heads = T.dynamic("v_tokens"), T.dynamic("v_heads")
+    au_chunks, au_heads = T.dynamic("au_chunks"), T.dynamic("au_heads")
 
     @T.prim_func
     def segment_state(
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
-        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        u: T.Tensor((u_tokens, u_heads, head_v), dtype),
+        v: T.Tensor((v_tokens, v_heads, head_v), dtype),
+        a_u: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         seg_info: T.Tensor((num_segs, 3), "int32"),
@@ -52,7 +60,8 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
         with T.Kernel(num_segs, h_blocks + head_k // BLOCK_COLS, num_v_heads, threads=threads) as (seg, cb, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            u_tile = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)
+            u_tile = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)  # U, or V with form_u
+            au_tile = T.alloc_shared((CHUNK, CHUNK), dtype) if form_u else None
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
@@ -60,6 +69,7 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
             vn_s = T.alloc_shared((CHUNK, BLOCK_COLS), dtype)
             state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
             vn = T.alloc_fragment((CHUNK, BLOCK_COLS), ACCUM)
+            u_acc = T.alloc_fragment((CHUNK, BLOCK_COLS), ACCUM) if form_u else None
             qk_head = T.alloc_var("int32")
             seg_start = T.alloc_var("int32")
             seg_end = T.alloc_var("int32")
@@ -69,7 +79,7 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
             gamma_last = T.alloc_var(ACCUM)
             decay = T.alloc_var(ACCUM)
             sink = T.alloc_var(dtype)
-            # The M part loads a U tile it never uses (weight 0): one branch-free pipeline.
+            # The M part loads U (or V and A_g) tiles it never uses (weight 0): one branch-free pipeline.
             u_col = T.min(cb, h_blocks - 1) * BLOCK_COLS
             m_col = (cb - h_blocks) * BLOCK_COLS
 
@@ -83,7 +93,11 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
             for c in T.Pipelined(T.ceildiv(seg_end - seg_start, CHUNK), num_stages=num_stages):
                 T.copy(k[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
                 T.copy(w[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
-                T.copy(u[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + BLOCK_COLS], u_tile)
+                if form_u:
+                    T.copy(v[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + BLOCK_COLS], u_tile)
+                    T.copy(a_u[first_chunk + c, head, 0:CHUNK, 0:CHUNK], au_tile)
+                else:
+                    T.copy(u[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + BLOCK_COLS], u_tile)
                 T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
                 T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
                 start = seg_start + c * CHUNK
@@ -93,13 +107,15 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
                 decay = T.__exp(gamma_last)
                 for i, j in T.Parallel(head_k, BLOCK_COLS):  # before any product is in flight
                     state[i, j] = state[i, j] * decay
-                # W S runs on the tensor cores while the row factors are formed.
+                # W S (and U = A_g V) run on the tensor cores while the row factors are formed.
                 T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
+                if form_u:
+                    T.wgmma_gemm(au_tile, u_tile, u_acc, clear_accum=True)
                 for i in T.Parallel(CHUNK):
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 T.wait_wgmma(0)
-                if length < 0:  # never: a read after the wait, so w_tile goes back to the producer only now
-                    sink = w_tile[0, 0]
+                if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                    sink = w_tile[0, 0] + u_tile[0, 0] + (au_tile[0, 0] if form_u else T.cast(0, dtype))
 
                 # K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new): the row weights go on V_new
                 # (a register fragment), not on a scaled copy of the K tile. The select (not a
@@ -107,7 +123,8 @@ def _segment_state_kernel(head_k, head_v, dtype, num_stages, threads=128):
                 for i, j in T.Parallel(CHUNK, BLOCK_COLS):
                     vn[i, j] = T.Select(
                         i < length,
-                        (T.if_then_else(cb < h_blocks, T.cast(u_tile[i, j], ACCUM), T.cast(0, ACCUM)) - vn[i, j]) * k_scale[i],
+                        (T.if_then_else(cb < h_blocks, u_acc[i, j] if form_u else T.cast(u_tile[i, j], ACCUM), T.cast(0, ACCUM))
+                         - vn[i, j]) * k_scale[i],
                         T.cast(0, ACCUM),
                     )
                 T.copy(vn, vn_s)

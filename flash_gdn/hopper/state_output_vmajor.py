@@ -1,22 +1,25 @@
 """Forward stage 2, V-major: the state recurrence and output with the state as a register operand.
 
-Same recurrence as ``state_output`` (DESIGN section 2, W and U from ``prepare_wu``), computed
+Same recurrence as ``state_output`` (DESIGN section 2, W and A_g from ``prepare_wu``), computed
 transposed, so that the state never goes through shared memory. The CTA of a (sequence, value
 head) holds S^T [V, K] in fp32 registers, the V rows split over its consumer warpgroups (64
 rows each), and feeds its bf16 copy straight to wgmma as the A operand (DESIGN section 6,
 direction 1). Per chunk:
 
-    V_new^T = U^T - S^T W^T                               (A = -S^T from registers)
+    V_new^T = V^T A_g^T - S^T W^T                          (U^T = V^T A_g^T here; A = -S^T from registers)
     O^T     = (S^T Q^T) diag(scale d_q) + V_new^T P^T,   P^T = K Q^T masked and scaled
     S^T     = e^gamma_C S^T + (V_new^T diag(e^(gamma_C - gamma))) K
 
 The last product's A operand is V_new^T, weighted by columns, again from registers; the state
 update is issued as soon as V_new is known, so P, the output and its store overlap the
 product that the next chunk waits for. Only P^T (8 KB) and the output tile (for its TMA store)
-go through shared memory.
+go through shared memory. U = A_g V is formed here (first product of a chunk, it needs no
+state) rather than read: ``prepare_wu`` then skips V and the U product, and A_g (8 KB per
+chunk and head) replaces U (16 KB) in HBM.
 
-Columns of V_new^T past the end of a sequence hold finite values from the next sequence's
-rows (or the zeros of a bulk copy past the tensor): their state weights are zero, and P^T
+Columns of V_new^T past the end of a sequence hold finite values (A_g's rows and columns
+there are zero; W's rows are the next sequence's or the zeros of a bulk copy past the
+tensor): their state weights are zero, and P^T
 pairs them only with output rows past the end, which are not written. Every exponent is
 <= 0 (above the diagonal of P it is clamped to 0, and the causal mask zeroes the entry).
 
@@ -28,7 +31,6 @@ import functools
 
 import tilelang
 import tilelang.language as T
-from tilelang.layout import make_full_bank_swizzled_layout
 
 from .launch import Launcher
 from .tiles import ACCUM, CHUNK
@@ -56,7 +58,8 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
         q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
-        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        a_u: T.Tensor((num_chunks, num_v_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
@@ -70,7 +73,8 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            u_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            v_tile = T.alloc_shared((CHUNK, head_v), dtype)
+            au_tile = T.alloc_shared((CHUNK, CHUNK), dtype)
             pt_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             o_s = T.alloc_shared((CHUNK, head_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
@@ -100,9 +104,6 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
             decay = T.alloc_var(ACCUM)
             qk_head = T.alloc_var("int32")
             sink = T.alloc_var(dtype)
-            # U is read transposed (column pairs of 8 rows apart per warp): a 128-byte swizzle puts
-            # those rows in different banks (unswizzled 256-byte rows conflict 4-way).
-            T.annotate_layout({u_tile: make_full_bank_swizzled_layout(u_tile)})
             T.annotate_producer_reg_dealloc(24)
             T.annotate_consumer_reg_alloc(240)
 
@@ -111,8 +112,8 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
             if has_initial:
-                for v, i in T.Parallel(head_v, head_k):
-                    state_t[v, i] = initial_state[seq, head, i, v]
+                for vr, i in T.Parallel(head_v, head_k):
+                    state_t[vr, i] = initial_state[seq, head, i, vr]
             else:
                 T.clear(state_t)
 
@@ -120,7 +121,8 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
                 T.copy(q[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], q_tile)
                 T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
                 T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
-                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_v], u_tile)
+                T.copy(v[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_v], v_tile)
+                T.copy(a_u[first_chunk + c, head, 0:CHUNK, 0:CHUNK], au_tile)
                 T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
                 T.copy(q_norm_inv[qk_head, first_chunk + c, 0:CHUNK], q_inv)
                 T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
@@ -128,13 +130,12 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
                 length = T.min(seq_end - start, CHUNK)
                 gamma_last = gamma_s[length - 1]
 
-                # The three products that need only S: U^T - S^T W^T first (everything after
-                # waits for it), then P^T = K Q^T and S^T Q^T (unscaled; the factors go on
-                # their accumulators' columns below).
-                for v, i in T.Parallel(head_v, head_k):
-                    state_neg[v, i] = T.cast(-state_t[v, i], dtype)
-                for v, i in T.Parallel(head_v, CHUNK):
-                    vn_t[v, i] = T.cast(u_tile[i, v], ACCUM)
+                # U^T = V^T A_g^T (needs no state: issued first), then the products that need
+                # only S: - S^T W^T into the same accumulator (everything after waits for V_new),
+                # P^T = K Q^T and S^T Q^T (unscaled; the factors go on their accumulators' columns below).
+                T.wgmma_gemm(v_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True, policy=ROWS)
+                for vr, i in T.Parallel(head_v, head_k):
+                    state_neg[vr, i] = T.cast(-state_t[vr, i], dtype)
                 T.wgmma_gemm(state_neg, w_tile, vn_t, transpose_B=True, policy=ROWS)
                 T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)
                 T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
@@ -147,15 +148,15 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
 
                 # State update as soon as V_new is known: S^T = e^gamma_C S^T + (V_new^T diag(k_scale)) K.
                 T.wait_wgmma(2)
-                if length < 0:  # never: a read after the wait, so w_tile is released to the producer only now
-                    sink = w_tile[0, 0]
-                for v, i in T.Parallel(head_v, CHUNK):
-                    vnw_a[v, i] = T.cast(vn_t[v, i] * k_scale[i], dtype)
-                for v, i in T.Parallel(head_v, head_k):
-                    state_t[v, i] = state_t[v, i] * decay
+                if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                    sink = w_tile[0, 0] + v_tile[0, 0] + au_tile[0, 0]
+                for vr, i in T.Parallel(head_v, CHUNK):
+                    vnw_a[vr, i] = T.cast(vn_t[vr, i] * k_scale[i], dtype)
+                for vr, i in T.Parallel(head_v, head_k):
+                    state_t[vr, i] = state_t[vr, i] * decay
                 T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
-                for v, i in T.Parallel(head_v, CHUNK):
-                    vn_a[v, i] = T.cast(vn_t[v, i], dtype)
+                for vr, i in T.Parallel(head_v, CHUNK):
+                    vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
 
                 # P^T[j, i] = scale e^(gamma_i - gamma_j) d_q[i] d_k[j] (K Q^T)[j, i] for i >= j.
                 T.wait_wgmma(2)
@@ -175,22 +176,22 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
                 T.wait_wgmma(1)
                 if length < 0:  # never: q_tile is released only after the products reading it are done
                     sink = q_tile[0, 0]
-                for v, i in T.Parallel(head_v, CHUNK):
-                    out_t[v, i] = out_t[v, i] * q_scale[i]
+                for vr, i in T.Parallel(head_v, CHUNK):
+                    out_t[vr, i] = out_t[vr, i] * q_scale[i]
                 T.wgmma_gemm(vn_a, pt_s, out_t, policy=ROWS)
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
-                for v, i in T.Parallel(head_v, CHUNK):
-                    o_s[i, v] = out_t[v, i]
+                for vr, i in T.Parallel(head_v, CHUNK):
+                    o_s[i, vr] = out_t[vr, i]
                 if length == CHUNK:  # a whole chunk: one TMA store
                     T.copy(o_s, o[start:start + CHUNK, head, 0:head_v])
                 else:  # a sequence's last, partial chunk: the rows after it are another sequence's
-                    for i, v in T.Parallel(CHUNK, head_v):
+                    for i, vr in T.Parallel(CHUNK, head_v):
                         if i < length:
-                            o[start + i, head, v] = o_s[i, v]
+                            o[start + i, head, vr] = o_s[i, vr]
 
-            for v, i in T.Parallel(head_v, head_k):
-                final_state[seq, head, i, v] = state_t[v, i]
+            for vr, i in T.Parallel(head_v, head_k):
+                final_state[seq, head, i, vr] = state_t[vr, i]
 
     return state_output_vmajor

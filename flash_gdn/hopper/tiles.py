@@ -35,32 +35,37 @@ def kernel_gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -
 
 @T.macro
 def blocked_unit_lower_inverse(
-    lower: T.SharedBuffer((CHUNK, CHUNK), ACCUM),
+    strict: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
+    lower_diag: T.SharedBuffer((CHUNK, BLOCK), ACCUM),
     diag16: T.SharedBuffer((CHUNK, CHUNK), HALF),
     diag32: T.SharedBuffer((CHUNK, CHUNK), HALF),
     off16: T.SharedBuffer((CHUNK, CHUNK), HALF),
     off32: T.SharedBuffer((CHUNK, CHUNK), HALF),
     scratch: T.SharedBuffer((CHUNK, CHUNK), HALF),
     column: T.LocalBuffer((BLOCK,), ACCUM),
-    prod: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
     inv: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
 ):
-    """inv = (I + lower)^-1 for a strictly lower triangular ``lower`` (DESIGN: A_r), blocked.
+    """inv = (I + L)^-1 for the strictly lower triangular L held in ``strict`` (registers;
+    DESIGN: A_r), blocked. ``strict`` is overwritten (it holds the merges' products).
 
     1. The four 16x16 diagonal blocks by forward substitution: thread t < 64 keeps column
-       t % 16 of block t // 16 in registers (a dependent chain of 120 FMAs, not 2016).
+       t % 16 of block t // 16 in registers (a dependent chain of 120 FMAs, not 2016). Only
+       these blocks of L go to shared memory in fp32 (``lower_diag`` [64, 16], 4 KB).
     2. Two merges on the tensor cores. For a block lower-triangular [[A, 0], [L21, B]] with
        known diagonal inverses A^-1, B^-1, the inverse's off-diagonal block is
        -B^-1 L21 A^-1. With Dn the block-diagonal inverse and Ln the off-diagonal blocks of
-       ``lower`` at that level: D_{2n} = Dn - Dn (Ln Dn). 16 -> 32, then 32 -> 64.
+       L at that level: D_{2n} = Dn - Dn (Ln Dn). 16 -> 32, then 32 -> 64.
     Operands are fp16, accumulation fp32; ``inv`` ends as the fp32 64x64 inverse.
     """
     for i, j in T.Parallel(CHUNK, CHUNK):
         diag16[i, j] = T.cast(0, HALF)
         off16[i, j] = T.if_then_else(
-            (i // BLOCK) % 2 == 1 and j // BLOCK == i // BLOCK - 1, T.cast(lower[i, j], HALF), T.cast(0, HALF)
+            (i // BLOCK) % 2 == 1 and j // BLOCK == i // BLOCK - 1, T.cast(strict[i, j], HALF), T.cast(0, HALF)
         )
-        off32[i, j] = T.if_then_else(i >= 2 * BLOCK and j < 2 * BLOCK, T.cast(lower[i, j], HALF), T.cast(0, HALF))
+        off32[i, j] = T.if_then_else(i >= 2 * BLOCK and j < 2 * BLOCK, T.cast(strict[i, j], HALF), T.cast(0, HALF))
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        if j // BLOCK == i // BLOCK:
+            lower_diag[i, j % BLOCK] = strict[i, j]
     tx = T.get_thread_binding()
     if tx < CHUNK:
         base = (tx // BLOCK) * BLOCK
@@ -69,18 +74,18 @@ def blocked_unit_lower_inverse(
             column[i] = T.if_then_else(i == col, T.cast(1, ACCUM), T.cast(0, ACCUM))
         for i in T.unroll(1, BLOCK):
             for j in T.unroll(i):
-                column[i] -= lower[base + i, base + j] * column[j]
+                column[i] -= lower_diag[base + i, j] * column[j]
         for i in T.unroll(BLOCK):
             diag16[base + i, base + col] = T.cast(column[i], HALF)
 
-    T.gemm(off16, diag16, prod, clear_accum=True)
-    T.copy(prod, scratch)
-    T.gemm(diag16, scratch, prod, clear_accum=True)
+    T.gemm(off16, diag16, strict, clear_accum=True)
+    T.copy(strict, scratch)
+    T.gemm(diag16, scratch, strict, clear_accum=True)
     for i, j in T.Parallel(CHUNK, CHUNK):
-        diag32[i, j] = T.cast(T.cast(diag16[i, j], ACCUM) - prod[i, j], HALF)
+        diag32[i, j] = T.cast(T.cast(diag16[i, j], ACCUM) - strict[i, j], HALF)
 
-    T.gemm(off32, diag32, prod, clear_accum=True)
-    T.copy(prod, scratch)
+    T.gemm(off32, diag32, strict, clear_accum=True)
+    T.copy(strict, scratch)
     T.gemm(diag32, scratch, inv, clear_accum=True)
     for i, j in T.Parallel(CHUNK, CHUNK):
         inv[i, j] = T.cast(diag32[i, j], ACCUM) - inv[i, j]

@@ -23,6 +23,7 @@ from .state_output_vmajor import build_state_output_vmajor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
+PREPARE_OUTPUTS = ((False, False, True), (True, True, False))
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -34,10 +35,12 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # A_r written for the backward (and the forward that saves its states) or not.
-    builders += [(f"prepare_wu[{dtype},{gd},inverse={wi}]", lambda gd=gd, wi=wi: build_prepare_wu(d, d, dtype, gd, wi))
-                 for gd, wi in itertools.product(gate_dtypes, (False, True))]
-    builders.append((f"segment_state[{dtype}]", lambda: build_segment_state(d, d, dtype)))
+    # Outputs (write_inverse, write_u, write_au): the forward's A_g, or U and A_r for the
+    # backward and the forward that saves its states.
+    builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
+                 for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
+    builders += [(f"segment_state[{dtype},form_u={fu}]", lambda fu=fu: build_segment_state(d, d, dtype, fu))
+                 for fu in (False, True)]
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
         builders += [(f"segment_scan[init={init},reverse={rev}]", lambda init=init, rev=rev: build_segment_scan(d, d, init, rev))
                      for init, rev in itertools.product((False, True), (False, True))]

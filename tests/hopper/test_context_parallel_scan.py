@@ -55,6 +55,9 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(1, 16, 33, dev) == 8
     assert cp.segment_chunks_for(1, 32, 33, dev) == 16  # 16/32 x 1x2048: short segments only up to 16 heads
     assert cp.segment_chunks_for(4, 64, 512, dev) is None  # 16/64 x 8192x4 fills the SMs
+    assert cp.segment_chunks_for(1, 64, 512, dev) is None  # 16/64 x 1x32768: two segments per sequence lose
+    assert cp.segment_chunks_for(2, 32, 514, dev) is None  # 8/32 x 16384+16384: likewise
+    assert cp.segment_chunks_for(1, 24, 128, dev) == 26  # 8/24 x 1x8192: five segments
     assert cp.segment_chunks_for(1, 8, 8, dev) is None  # a single segment
     monkeypatch.setenv("FLASH_GDN_CP", "0")
     assert cp.segment_chunks_for(1, 8, 512, dev) is None
