@@ -30,8 +30,12 @@ MIN_SEGMENT_CHUNKS = 16
 SHORT_ROW_CHUNKS = 40
 SHORT_MAX_V_HEADS = 16
 SHORT_MIN_SEGMENT_CHUNKS = 8
-# CP only where each sequence would be cut into at least this many segments.
-MIN_SEGMENTS_PER_SEQUENCE = 3
+# SMs per sequence in units of value heads (segments a sequence may be cut into): below
+# TWO_SEGMENTS CP is off; from there up to THREE_SEGMENTS it is on only for at most
+# FEW_SEQUENCES sequences averaging LONG_SEQUENCE_CHUNKS chunks (see segment_chunks_for).
+TWO_SEGMENTS, THREE_SEGMENTS = 2, 3
+FEW_SEQUENCES = 2
+LONG_SEQUENCE_CHUNKS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,13 +73,21 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     With 24 and 32 value heads those short rows do not gain (8/24 x 1x2048 even; 8/32, 16/32
     and 32/32 x 1x2048 7 % slower with 9-chunk segments than with 16): 8 only up to
     SHORT_MAX_V_HEADS.
-    Since the V-major forward forms U itself (prepare_wu 29 % faster without CP), CP pays only
-    where the SMs allow three or more segments per sequence (``MIN_SEGMENTS_PER_SEQUENCE``;
-    forward kernel time off -> on, H200, ms): with two it loses - 16/64 x 1x32768 1.96 ->
-    2.21, 16/64 x 1x8192 0.50 -> 0.58, 16/48 x 1x16384 0.90 -> 0.97, 8/32 x 16384+16384
-    0.98 -> 1.11 - and with four or more it wins - 8/32 x 1x32768 1.65 -> 1.28, 16/32 x
-    1x8192 0.43 -> 0.36, 32/32 x 1x4096 0.22 -> 0.21, 8/24 x 1x8192 0.41 -> 0.29, 4/16 x
-    16384+16384 0.83 -> 0.66, 4/16 x 1x32768 1.51 -> 0.73, 16/16 x 1x8192 0.39 -> 0.24.
+    How many segments per sequence the SMs allow, r = (SMs // Hv) / sequences, decides
+    whether CP pays (sweep with the kernels that form U = A_g V, H200, forward kernel time
+    off -> on, ms; ``scripts/cp_sweep.py``). r >= 3 wins: 8/32 x 1x32768 1.65 -> 1.28, 16/32
+    x 1x8192 0.43 -> 0.36, 32/32 x 1x4096 0.22 -> 0.21, 8/24 x 1x8192 0.41 -> 0.29, 4/16 x
+    1x32768 1.51 -> 0.73, 16/16 x 1x8192 0.39 -> 0.24. r < 2 loses: 8/24 x 8192x4 0.57 ->
+    0.96. For 2 <= r < 3 it depends on lengths the host does not see (the longest sequence
+    sets the time without CP): with four or more sequences it loses (2/8 x 4096x8 0.256 ->
+    0.280, 2/8 x 1024x8 0.074 -> 0.083, 4/16 x 8192x4 0.495 -> 0.507, 4/16 x 2048x4 0.137
+    -> 0.167); with one or two averaging >= 128 chunks it mostly wins (8/32 x 28672+4096
+    1.49 -> 1.28, 24576+8192 1.33 -> 0.97, 16384+16384 0.985 -> 0.966, 12288+4096 0.67 ->
+    0.51; 8/24 x 28672+4096 1.42 -> 0.99; 16/64 x 1x32768 1.96 -> 1.88; 16/48 x 1x16384 0.91
+    -> 0.88; losses: 8/24 x 16384+16384 0.91 -> 1.01, 16/64 x 1x8192 0.502 -> 0.512); with
+    shorter ones it wins on unequal lengths and loses on equal ones (8/32 x 6144+2048 0.344
+    -> 0.287, 1024+7168 0.386 -> 0.366; 4096+4096 0.260 -> 0.283, 16/64 x 1x2048 0.137 ->
+    0.166), and is left off.
     The segment lengths are set from shapes only (no host synchronisation), so with varlen
     every sequence is cut at the same length: long ones into several segments, short ones
     not at all (their transition pass is skipped: nothing follows a sequence's last segment).
@@ -83,7 +95,10 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     if _overridden():
         return _override()
     target_segments = _sm_count(device) // num_v_heads
-    if target_segments < MIN_SEGMENTS_PER_SEQUENCE * num_seqs:
+    if target_segments < TWO_SEGMENTS * num_seqs:
+        return None
+    if target_segments < THREE_SEGMENTS * num_seqs and not (
+            num_seqs <= FEW_SEQUENCES and max_chunks >= LONG_SEQUENCE_CHUNKS * num_seqs):
         return None
     short = max_chunks <= SHORT_ROW_CHUNKS and num_v_heads <= SHORT_MAX_V_HEADS
     shortest = SHORT_MIN_SEGMENT_CHUNKS if short else MIN_SEGMENT_CHUNKS

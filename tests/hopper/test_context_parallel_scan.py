@@ -55,9 +55,13 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(1, 16, 33, dev) == 8
     assert cp.segment_chunks_for(1, 32, 33, dev) == 16  # 16/32 x 1x2048: short segments only up to 16 heads
     assert cp.segment_chunks_for(4, 64, 512, dev) is None  # 16/64 x 8192x4 fills the SMs
-    assert cp.segment_chunks_for(1, 64, 512, dev) is None  # 16/64 x 1x32768: two segments per sequence lose
-    assert cp.segment_chunks_for(2, 32, 514, dev) is None  # 8/32 x 16384+16384: likewise
     assert cp.segment_chunks_for(1, 24, 128, dev) == 26  # 8/24 x 1x8192: five segments
+    assert cp.segment_chunks_for(4, 24, 516, dev) is None  # 8/24 x 8192x4: fewer than two per sequence
+    assert cp.segment_chunks_for(8, 8, 520, dev) is None  # 2/8 x 4096x8: two each, many sequences
+    assert cp.segment_chunks_for(1, 64, 513, dev) == 257  # 16/64 x 1x32768: two, one long sequence
+    assert cp.segment_chunks_for(2, 32, 514, dev) == 129  # 8/32 x 28672+4096 and the like
+    assert cp.segment_chunks_for(2, 32, 130, dev) is None  # 8/32 x 4096+4096: two short ones
+    assert cp.segment_chunks_for(1, 64, 33, dev) is None  # 16/64 x 1x2048
     assert cp.segment_chunks_for(1, 8, 8, dev) is None  # a single segment
     monkeypatch.setenv("FLASH_GDN_CP", "0")
     assert cp.segment_chunks_for(1, 8, 512, dev) is None
