@@ -1,7 +1,7 @@
 """Hopper backward launcher.
 
-``backward_stages`` runs prepare_wu (W, U, gamma, inverse norms), ``chunk_states`` (every
-chunk's start state h and V_new), ``local_dv`` (the state-free part of dV_new),
+``backward_stages`` runs prepare_wu (W, A_g, A_r, gamma, inverse norms), ``chunk_states`` (every
+chunk's start state h and V_new, forming U = A_g V), ``local_dv`` (the state-free part of dV_new),
 ``state_grads`` (every chunk's end-state gradient dh,
 dV_new and dh0), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
 ``qk_grads`` (dq and dk summed over each group of value heads with the L2 norm's backward,
@@ -81,9 +81,10 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
     _build_kernels(problem, tl_dtype, TL_DTYPE[kernel_gate_dtype(g, beta, dtype)], cu_seqlens, initial_state, dht,
                    max_chunks, seg_chunks, saved, dev)
+    # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
     prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks,
-                                                write_inverse=True)
-    qf, kf, vf, bf, w, u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.u, prep.gamma, prep.a_r
+                                                write_inverse=True, write_u=False, write_au=True)
+    qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.a_u, prep.gamma, prep.a_r
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     del prep
     num_chunks = plan.chunk_bounds.shape[0]
@@ -121,7 +122,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         # Every tensor used here was allocated on the main stream and stays referenced until
         # the join below, so the allocator cannot hand its memory out early.
         if segs is not None:
-            _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, seg_state, run_init, problem, tl_dtype)
+            _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, problem, tl_dtype)
             if side is not None:
                 transitions_ready = torch.cuda.Event()
                 transitions_ready.record(side)
@@ -132,7 +133,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
             init = h0 if segs is None else run_init
             # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
             build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)(
-                kf, w, u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
+                kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
             )
     finally:
         if side is not None:
@@ -173,7 +174,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         del b, ds_end
     if side is not None:
         main.wait_stream(side)
-    del w, dv_local, u
+    del w, dv_local, a_u
     if segs is not None:
         del seg_state, run_init
 
@@ -221,13 +222,13 @@ def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, max_chunk
         kernels = [lambda: build_local_dv(dk, dv, tl_dtype), lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
                    lambda: build_qk_grads(dk, dv, tl_dtype)]
         if prepare:
-            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, True, True, False))
+            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, True, False, True))
             if index_dtype is not None:
                 kernels += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
         if recompute:
             kernels.append(lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v))
         if cp:
-            kernels += [lambda: build_segment_state(dk, dv, tl_dtype),
+            kernels += [lambda: build_segment_state(dk, dv, tl_dtype, recompute),
                         lambda: build_segment_scan(dk, dv, has_dht, reverse=True),
                         lambda: build_state_grads(dk, dv, tl_dtype, False, block_v),
                         lambda: build_state_grads(dk, dv, tl_dtype, True, block_v)]
@@ -240,15 +241,17 @@ def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, max_chunk
     build_together(key, builders)
 
 
-def _segment_transitions(kf, w, u, gamma, k_norm_inv, segs, h0, seg_state, run_init, problem, tl_dtype):
+def _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, problem, tl_dtype):
     """[h | M] of every segment into ``seg_state`` (all of them: the reverse scan needs each M
-    but the first's). Without ``run_init`` (saved chunk states: U was dropped and only M is
-    needed) W (same shape, K = V) stands in for U, and the h columns come out meaningless and
-    unread."""
-    u = u if run_init is not None else w
-    unused_au = unused_buffer(kf.device, kf.dtype, (1, 1, CHUNK, CHUNK))  # U is read, not formed: V and A_g unused
-    build_segment_state(problem.head_k, problem.head_v, tl_dtype)(
-        kf, w, u, u, unused_au, gamma, k_norm_inv, segs.seg_info, seg_state
+    but the first's). Recomputing, U = A_g V is formed in the kernel. With saved chunk states
+    only M is needed and A_g was not kept: the variant that reads U runs with W (same shape,
+    K = V) in its place, and the h columns come out meaningless and unread."""
+    if recompute:
+        sources = (unused_buffer(kf.device, kf.dtype, (1, 1, problem.head_v)), vf, a_u)
+    else:
+        sources = (w, w, unused_buffer(kf.device, kf.dtype, (1, 1, CHUNK, CHUNK)))
+    build_segment_state(problem.head_k, problem.head_v, tl_dtype, recompute)(
+        kf, w, *sources, gamma, k_norm_inv, segs.seg_info, seg_state
     )
 
 

@@ -4,8 +4,12 @@ One CTA per (sequence, block of ``block_v`` state columns, value head), state in
 registers, the forward's recurrence (DESIGN section 2) without the output:
 
     h[chunk] = S                        (input dtype; the backward's chunk-parallel stage reads it)
-    V_new    = U - W S                  (input dtype, rows of the sequence only)
+    V_new    = A_g V - W S              (input dtype, rows of the sequence only)
     S        = e^gamma_C S + K_g^T V_new
+
+U = A_g V is formed here (one 64 x 64 x ``block_v`` product beside W S) from V and
+``prepare_wu``'s A_g, as in the forward, so the backward's ``prepare_wu`` neither loads V nor
+writes U.
 
 Columns of S (and of U, V_new) evolve independently, so splitting V over CTAs is exact; it
 buys parallelism when sequences x heads leave SMs idle (``state_block_v``).
@@ -39,7 +43,8 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
     def chunk_states(
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         w: T.Tensor((tokens, num_v_heads, head_k), dtype),
-        u: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        a_u: T.Tensor((num_chunks, num_v_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         seq_info: T.Tensor((num_seqs, 3), "int32"),
@@ -50,7 +55,8 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
         with T.Kernel(num_seqs, head_v // block_v, num_v_heads, threads=threads) as (seq, v_block, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            u_tile = T.alloc_shared((CHUNK, block_v), dtype)
+            v_tile = T.alloc_shared((CHUNK, block_v), dtype)
+            au_tile = T.alloc_shared((CHUNK, CHUNK), dtype)
             state_s = T.alloc_shared((head_k, block_v), dtype)
             vn_s = T.alloc_shared((CHUNK, block_v), dtype)
             vnk_s = T.alloc_shared((CHUNK, block_v), dtype)
@@ -59,6 +65,7 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
             state = T.alloc_fragment((head_k, block_v), ACCUM)
             vn = T.alloc_fragment((CHUNK, block_v), ACCUM)
+            u_acc = T.alloc_fragment((CHUNK, block_v), ACCUM)
             seq_start = T.alloc_var("int32")
             seq_end = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")
@@ -86,23 +93,25 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             for c in T.Pipelined(T.ceildiv(seq_end - seq_start, CHUNK), num_stages=num_stages):
                 T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
                 T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
-                T.copy(u[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, v0:v0 + block_v], u_tile)
+                T.copy(v[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, v0:v0 + block_v], v_tile)
+                T.copy(a_u[first_chunk + c, head, 0:CHUNK, 0:CHUNK], au_tile)
                 T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
                 T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
-                # W S runs on the tensor cores while the start state goes out and the row
-                # factors are formed.
+                # W S and U = A_g V run on the tensor cores while the start state goes out and
+                # the row factors are formed.
                 T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
+                T.wgmma_gemm(au_tile, v_tile, u_acc, clear_accum=True)
                 T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
                 for i in T.Parallel(CHUNK):
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                 decay = T.__exp(gamma_last)
                 T.wait_wgmma(0)
-                if length < 0:  # never: a read after the wait, so w_tile goes back to the producer only now
-                    sink = w_tile[0, 0]
+                if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                    sink = w_tile[0, 0] + v_tile[0, 0] + au_tile[0, 0]
 
                 # V_new = U - W S (zero past the end). The state update's row weights go on a
                 # second copy, K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new), so the K
@@ -110,7 +119,7 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 # Element-wise work in registers (branch-free select), fragments to shared
                 # memory whole (stmatrix).
                 for i, j in T.Parallel(CHUNK, block_v):
-                    vn[i, j] = T.Select(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
+                    vn[i, j] = T.Select(i < length, u_acc[i, j] - vn[i, j], T.cast(0, ACCUM))
                 T.copy(vn, vn_s)
                 for i, j in T.Parallel(CHUNK, block_v):
                     vn[i, j] = vn[i, j] * k_scale[i]

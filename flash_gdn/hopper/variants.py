@@ -23,7 +23,7 @@ from .state_output_vmajor import build_state_output_vmajor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
-PREPARE_OUTPUTS = ((False, False, True), (True, True, False))
+PREPARE_OUTPUTS = ((False, False, True), (True, False, True), (True, True, False))
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -35,8 +35,8 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # Outputs (write_inverse, write_u, write_au): the forward's A_g, or U and A_r for the
-    # backward and the forward that saves its states.
+    # Outputs (write_inverse, write_u, write_au): the forward's A_g; A_r and A_g for the
+    # backward; A_r and U for the forward that saves its states (its state kernel reads U).
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
     builders += [(f"segment_state[{dtype},form_u={fu}]", lambda fu=fu: build_segment_state(d, d, dtype, fu))
