@@ -1,0 +1,109 @@
+"""Every kernel variant a forward or backward call launches is one its first-call prebuild
+compiled (``forward_builders``, ``backward._build_kernels``): the lists repeat the launch
+code's choice of variants, so a flag changed in one place and not the other would only show
+as a slow first call. Runs on the CPU: the kernel builders are replaced by recorders and the
+chunk plan is the torch one."""
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from flash_gdn.validation import Problem  # noqa: E402
+
+FORWARD_BUILDERS = ("build_prepare_wu", "build_segment_state", "build_segment_scan", "build_state_output",
+                    "build_state_output_vmajor", "build_sequence_prefix", "build_cut_pieces")
+BACKWARD_BUILDERS = ("build_chunk_states", "build_local_dv", "build_prepare_wu", "build_qk_grads", "build_segment_scan",
+                     "build_segment_state", "build_state_grads", "build_wy_grads", "build_sequence_prefix",
+                     "build_cut_pieces")
+
+
+class Recorder:
+    """Stands in for the kernel builders: records which variants were built inside a prebuild
+    and which were launched."""
+
+    def __init__(self):
+        self.prebuilding = False
+        self.built, self.launched = set(), set()
+
+    def builder(self, name):
+        def build(*args, **kwargs):
+            variant = (name, args, tuple(sorted(kwargs.items())))
+            if self.prebuilding:
+                self.built.add(variant)
+            return lambda *a, **k: self.launched.add(variant)
+        return build
+
+    def build_together(self, key, make_builders):
+        self.prebuilding = True
+        try:
+            for build in make_builders():
+                build()
+        finally:
+            self.prebuilding = False
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    from flash_gdn.hopper import backward, context_parallel, forward, prepare_wu
+
+    rec = Recorder()
+    for module, names in ((forward, FORWARD_BUILDERS), (backward, BACKWARD_BUILDERS), (prepare_wu, ("build_prepare_wu",))):
+        for name in names:
+            monkeypatch.setattr(module, name, rec.builder(name))
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "build_together", rec.build_together)
+    monkeypatch.setattr(context_parallel, "_sm_count", lambda device: 132)  # an H200's SMs
+    monkeypatch.setattr(backward, "state_block_v", lambda dv, runs, hv, dev: 64 if runs * hv < 132 else dv)
+    monkeypatch.setattr(backward, "CONCURRENT_CHUNK_STATES", False)  # no CUDA streams on the CPU
+    monkeypatch.delenv("FLASH_GDN_CP", raising=False)
+    monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
+    return rec
+
+
+def _inputs(lengths, hqk, hv, d=128):
+    t = sum(lengths)
+    q, k = (torch.randn(1, t, hqk, d).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, t, hv, d).to(torch.bfloat16)
+    g, beta = -torch.rand(1, t, hv), torch.rand(1, t, hv)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    problem = Problem(batch=1, seq_len=t, num_qk_heads=hqk, num_v_heads=hv, head_k=d, head_v=d,
+                      num_seqs=len(lengths), scale=d ** -0.5)
+    return q, k, v, g, beta, cu, problem
+
+
+# (lengths, hqk, hv): CP on (2/8 x 1x4096: 16 segments' worth of SMs), off (16/64 x 2048+2048).
+ROWS = [([4096], 2, 8), ([2048, 2048], 16, 64)]
+
+
+@pytest.mark.parametrize("lengths, hqk, hv", ROWS)
+@pytest.mark.parametrize("with_h0", [False, True])
+@pytest.mark.parametrize("save_states", [False, True])
+def test_forward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, with_h0, save_states):
+    from flash_gdn.hopper.forward import hopper_forward
+
+    q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
+    h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
+    hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, save_states=save_states)
+    assert recorder.launched and recorder.launched <= recorder.built, recorder.launched - recorder.built
+
+
+# Backward CP on for 2/4 x 1x8192 (8 CTAs of 64 columns), off for 16/64 x 2048+2048.
+BACKWARD_ROWS = [([8192], 2, 4), ([2048, 2048], 16, 64)]
+
+
+@pytest.mark.parametrize("lengths, hqk, hv", BACKWARD_ROWS)
+@pytest.mark.parametrize("with_h0, with_dht", [(False, False), (True, True)])
+@pytest.mark.parametrize("save_states", [False, True])
+def test_backward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, with_h0, with_dht, save_states):
+    from flash_gdn.hopper.backward import backward_stages
+    from flash_gdn.hopper.forward import hopper_forward
+
+    q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
+    h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
+    dht = torch.zeros(len(lengths), hv, 128, 128) if with_dht else None
+    _, _, extras = hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, save_states=save_states)
+    recorder.built.clear()
+    recorder.launched.clear()
+    backward_stages(q, k, v, g, beta, torch.randn_like(v), dht, problem, h0, False, cu, extras)
+    assert recorder.launched and recorder.launched <= recorder.built, recorder.launched - recorder.built
