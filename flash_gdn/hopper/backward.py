@@ -70,7 +70,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     ``[.., K, V]`` layout). ``saved``: the forward's ``extras``; when it holds the chunk
     states (``save_chunk_states``), prepare_wu and chunk_states are skipped. With
     ``intermediates`` (tests) every stage's outputs come back too; without, each buffer is
-    dropped once its last reader has been launched (U, W, M^T dO, dV_new: 1 KiB per token
+    dropped once its last reader has been launched (A_g, W, M^T dO, dV_new: 896 B per token
     and value head at K = V = 128 off the peak) and only the gradients come back."""
     batch, seq_len = problem.batch, problem.seq_len
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
@@ -79,8 +79,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     saved = saved or {}
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
+    cp, block_v = _sequential_layout(saved, seg_chunks, max_chunks, problem, dev)
     _build_kernels(problem, tl_dtype, TL_DTYPE[kernel_gate_dtype(g, beta, dtype)], cu_seqlens, initial_state, dht,
-                   max_chunks, seg_chunks, saved, dev)
+                   cp, block_v, saved)
     # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
     prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks,
                                                 write_inverse=True, write_u=False, write_au=True)
@@ -89,11 +90,8 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     del prep
     num_chunks = plan.chunk_bounds.shape[0]
     dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
-    # Context parallelism (as in the forward) when the plan has segments; a saved forward
-    # plan without them (CP was off then) runs without.
-    segs = plan.segments if seg_chunks is not None else None
+    segs = plan.segments if cp else None
     runs = plan.seq_info if segs is None else segs.seg_info  # what the sequential stages walk
-    block_v = state_block_v(dv, runs.shape[0], hv, dev)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     dht32 = None if dht is None else dht.to(torch.float32).contiguous()
     # Without CP, state_grads writes dh0 (and it stands in for absent optional arguments);
@@ -207,15 +205,30 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     return grads
 
 
-def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, max_chunks, seg_chunks, saved, dev):
+def _sequential_layout(saved: dict, seg_chunks: int | None, max_chunks: int, problem: Problem,
+                       dev: torch.device) -> tuple[bool, int]:
+    """(context parallelism on, state columns per CTA) of the sequential stages, from shapes.
+
+    Context parallelism (as in the forward) when ``seg_chunks`` asks for it. With the forward's
+    saved plan, its segments are walked (a plan without them, CP off in the forward, runs
+    without), so the column split follows that plan's segment count."""
+    if "prepared" in saved:
+        plan = saved["prepared"].plan
+        cp = seg_chunks is not None and plan.segments is not None
+        runs = (plan.segments.seg_info if cp else plan.seq_info).shape[0]
+    else:
+        cp = seg_chunks is not None
+        runs = segment_capacity(max_chunks, problem.num_seqs, seg_chunks) if cp else problem.num_seqs
+    return cp, state_block_v(problem.head_v, runs, problem.num_v_heads, dev)
+
+
+def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block_v, saved):
     """Compile the kernels this call launches side by side at their first use (``prebuild``;
     a kernel left out here is still compiled when it first launches)."""
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     index_dtype = None if cu_seqlens is None else str(cu_seqlens.dtype).removeprefix("torch.")
-    prepare, recompute, cp = "prepared" not in saved, "h" not in saved, seg_chunks is not None
+    prepare, recompute = "prepared" not in saved, "h" not in saved
     has_h0, has_dht = h0 is not None, dht is not None
-    runs = problem.num_seqs if not cp else segment_capacity(max_chunks, problem.num_seqs, seg_chunks)  # plan rows
-    block_v = state_block_v(dv, runs, hv, dev)
     key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, recompute, cp, has_h0, has_dht, block_v)
 
     def builders():

@@ -7,10 +7,11 @@ Per chunk and value head (DESIGN section 2), with A_r the gate-free inverse:
     W = A_g D K,  i.e.  W = (e^gamma_i A_r[i, j] beta_j) K
 
 so that the state stage only needs V_new = U - W S. Which of them go to HBM depends on the
-caller: the forward's V-major state kernel forms U = A_g V itself from V and A_g (written
+caller: the forward's state kernels and the backward's ``chunk_states`` (and the segment
+transitions of context parallelism in both) form U = A_g V themselves from V and A_g (written
 here in the input dtype, ``write_au``; 8 KB per chunk and head instead of U's 16 KB, and this
-kernel skips V and the U product); the segment transitions of context parallelism, the
-saved-state forward and the backward read U (``write_u``).
+kernel skips V and the U product); only the forward that saves its chunk states reads U
+(``write_u``: its ``state_output`` writes h and V_new for the backward).
 
 Fused L2 norm (``normalize`` = 1): K K^T's diagonal gives |k_i|^2, so with
 r_i = 1 / sqrt(|k_i|^2 + 1e-6) the normalised keys enter as K K^T -> r_i (K K^T)_ij r_j and

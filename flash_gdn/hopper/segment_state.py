@@ -7,9 +7,11 @@ as a left multiplication:
     S <- e^gamma_C S + K_g^T (U - W S) = (e^gamma_C I - K_g^T W) S + K_g^T U
 
 so h is the recurrence run from S = 0 with the real U, and M the same recurrence run from
-S = I with U = 0. With ``form_u`` (the forward), U = A_g V is formed here from V and
-``prepare_wu``'s A_g (one 64x64x64 product beside W S; the M columns weight it by 0) and
-``u`` is not read; without (the backward), U is read and ``v``, ``a_u`` are not. One CTA per (64-column block of [h | M], segment, value head); columns
+S = I with U = 0. With ``form_u`` (the forward, and the backward when it recomputes), U =
+A_g V is formed here from V and ``prepare_wu``'s A_g (one 64x64x64 product beside W S; the M
+columns weight it by 0) and ``u`` is not read; without (the saved-state forward, whose
+``prepare_wu`` keeps U, and the saved-state backward, which needs only M), U is read and
+``v``, ``a_u`` are not. One CTA per (64-column block of [h | M], segment, value head); columns
 0..V-1 are h, columns V..V+K-1 are M. Both are written in fp32 to ``seg_state``
 ``[segments, Hv, K, V + K]``. A sequence's last segment needs neither (nothing follows it):
 the plan hands those in empty, and their CTAs write nothing.
