@@ -34,7 +34,7 @@ from .context_parallel import backward_segment_chunks_for, num_sms
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import build_prepare_wu, run_prepare, unused_buffer
+from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -84,7 +84,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
                    cp, block_v, saved)
     # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
     prep = saved.get("prepared") or run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks,
-                                                write_inverse=True, write_u=False, write_au=True)
+                                                BACKWARD_OUTPUTS)
     qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.a_u, prep.gamma, prep.a_r
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     del prep
@@ -235,7 +235,7 @@ def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block
         kernels = [lambda: build_local_dv(dk, dv, tl_dtype), lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
                    lambda: build_qk_grads(dk, dv, tl_dtype)]
         if prepare:
-            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, True, False, True))
+            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *BACKWARD_OUTPUTS))
             if index_dtype is not None:
                 kernels += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
         if recompute:

@@ -13,7 +13,7 @@ from ..validation import Problem
 from .context_parallel import segment_chunks_for
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import build_prepare_wu, run_prepare, unused_buffer
+from .prepare_wu import FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_output import build_state_output
@@ -44,17 +44,10 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
                    lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states))
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); the saved-state kernel reads U.
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, write_inverse=save_states,
-                       write_u=save_states, write_au=not save_states)
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states))
     qf, kf, w, gamma = prep.q, prep.k, prep.w, prep.gamma
-    # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major);
-    # the segment transitions' (U, V, A_g), of which they read U or the other two.
-    if save_states:
-        u_or_v_au = (prep.u,)
-        transition_sources = (prep.u, prep.v, unused_buffer(q.device, q.dtype, (1, 1, CHUNK, CHUNK)))
-    else:
-        u_or_v_au = (prep.v, prep.a_u)
-        transition_sources = (unused_buffer(q.device, q.dtype, (1, 1, dv)), prep.v, prep.a_u)
+    # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major).
+    u_or_v_au = (prep.u,) if save_states else (prep.v, prep.a_u)
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
 
     h0 = None
@@ -86,6 +79,11 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         segs = plan.segments
         capacity = segs.seg_info.shape[0]
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
+        # The transitions take (U, V, A_g) and read U or the other two.
+        if save_states:
+            transition_sources = (prep.u, prep.v, unused_buffer(q.device, q.dtype, (1, 1, CHUNK, CHUNK)))
+        else:
+            transition_sources = (unused_buffer(q.device, q.dtype, (1, 1, dv)), prep.v, prep.a_u)
         build_segment_state(dk, dv, tl_dtype, not save_states)(
             kf, w, *transition_sources, gamma, k_norm_inv, segs.transition_info, seg_state
         )
@@ -104,14 +102,18 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
     else:
         final_state = None
-    extras = dict(prepared=prep._replace(u=None, a_u=None), h=saved[0], v_new=saved[1]) if save_states else {}
+    extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1]) if save_states else {}
     return o.view(batch, seq_len, hv, dv), final_state, extras
+
+
+def _prepare_outputs(save_states: bool) -> tuple[bool, bool, bool]:
+    return SAVED_STATE_OUTPUTS if save_states else FORWARD_OUTPUTS
 
 
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
-    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, save_states, save_states, not save_states)]
+    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states))]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
     if cp:

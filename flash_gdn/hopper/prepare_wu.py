@@ -34,6 +34,15 @@ from .launch import Launcher
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
+# What a call needs written, (write_inverse, write_u, write_au): the forward's state kernels
+# form U from A_g; the backward also needs A_r; the forward that saves its chunk states runs
+# ``state_output``, which reads U, and keeps A_r for the backward. The launch code and the
+# prebuild lists (forward_builders, backward._build_kernels, variants) all take these.
+FORWARD_OUTPUTS = (False, False, True)
+BACKWARD_OUTPUTS = (True, False, True)
+SAVED_STATE_OUTPUTS = (True, True, False)
+
+
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
                      write_u: bool = True, write_au: bool = False):
@@ -230,10 +239,11 @@ def unused_buffer(dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...])
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                write_inverse: bool = False, write_u: bool = True, write_au: bool = False) -> Prepared:
+                outputs: tuple[bool, bool, bool] = FORWARD_OUTPUTS) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
-    launch ``prepare_wu`` (no host synchronisation). ``write_inverse``: keep A_r for the
-    backward (128 bytes per token and value head); ``write_u`` / ``write_au``: U, A_g or both."""
+    launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
+    write_au), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token and value head."""
+    write_inverse, write_u, write_au = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     dtype, dev = q.dtype, q.device
@@ -256,7 +266,7 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     gamma, q_norm_inv, k_norm_inv = factors.split_with_sizes((hv, hqk, hqk))
     a_r = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev) if write_inverse
            else unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK)))
-    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], write_inverse, write_u, write_au)(
+    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)(
         kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u
     )
     return Prepared(plan, qf, kf, vf, bf, w, u if write_u else None, gamma, q_norm_inv, k_norm_inv,

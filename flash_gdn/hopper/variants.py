@@ -12,7 +12,7 @@ from .chunk_states import build_chunk_states
 from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
-from .prepare_wu import build_prepare_wu
+from .prepare_wu import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -23,7 +23,7 @@ from .state_output_vmajor import build_state_output_vmajor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
-PREPARE_OUTPUTS = ((False, False, True), (True, False, True), (True, True, False))
+PREPARE_OUTPUTS = (FORWARD_OUTPUTS, BACKWARD_OUTPUTS, SAVED_STATE_OUTPUTS)
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -35,8 +35,7 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # Outputs (write_inverse, write_u, write_au): the forward's A_g; A_r and A_g for the
-    # backward; A_r and U for the forward that saves its states (its state kernel reads U).
+    # Outputs (write_inverse, write_u, write_au): prepare_wu's FORWARD/BACKWARD/SAVED_STATE_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
     builders += [(f"segment_state[{dtype},form_u={fu}]", lambda fu=fu: build_segment_state(d, d, dtype, fu))
