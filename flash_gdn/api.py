@@ -186,6 +186,10 @@ class _HopperGDN(torch.autograd.Function):
         return grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dh0, None, None, None, None, None, None
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -232,6 +236,10 @@ def chunk_gated_delta_rule(
     if path == dispatch.PORTABLE:
         return chunked_forward(q, k, v, g, beta, problem.scale, initial_state, output_final_state,
                                use_qk_l2norm_in_kernel, cu_seqlens, state_v_first)
+    if not _needs_grad(q, k, v, g, beta, initial_state):  # inference: no autograd node (host time)
+        o, final_state, _ = _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state,
+                                          use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, path)
+        return o, final_state
     out = _HopperGDN.apply(q, k, v, g, beta, initial_state, problem, output_final_state, use_qk_l2norm_in_kernel,
                            cu_seqlens, state_v_first, save_chunk_states)
     return (out[0], out[1]) if output_final_state else (out[0], None)

@@ -12,6 +12,7 @@ and the kernels' reference.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -89,14 +90,56 @@ def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: 
 
     Without ``cu_seqlens`` the map depends on the shape alone and is built once per
     (B, T, device, seg_chunks) and reused (no torch ops on later calls) - except during
-    CUDA-graph capture, where ops are recorded, not run, so nothing may be cached.
+    CUDA-graph capture, where ops are recorded, not run, so nothing may be cached. With
+    ``cu_seqlens`` on a CUDA device the map of a recently seen, unmodified tensor is reused
+    (``_recent_device_plan``).
     """
     device = torch.device(device)
-    if cu_seqlens is None and not _capturing(device):
+    capturing = _capturing(device)
+    if cu_seqlens is None and not capturing:
         return _batch_plan(batch, seq_len, _canonical(device), seg_chunks)
     if device.type == "cuda":
-        return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+        if capturing:
+            return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+        return _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
     return _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+
+
+# Varlen plans of the last few cu_seqlens tensors: every GDN layer of a model's forward (and
+# its backward) is passed the same cu_seqlens, so one plan serves them all. An entry is reused
+# only for the same tensor object, still alive, unmodified since (its version counter: every
+# torch in-place op bumps it), with the same sizes and segment length, on the same stream.
+# Not used while capturing a CUDA graph (the graph must compute its plan from the buffer's
+# contents at replay), nor for inference-mode tensors (they keep no version counter, so an
+# in-place update of a persistent cu_seqlens buffer could not be seen).
+_RECENT_PLANS: list[tuple] = []
+RECENT_PLANS_KEPT = 8
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+
+
+def _current_stream(device: torch.device) -> int:
+    """The current CUDA stream's handle (torch.cuda.current_stream() costs ~5 us on the GPU host)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:  # an inference tensor
+        return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+    key = (version, batch, seq_len, device, seg_chunks, _current_stream(device))
+    for ref, entry_key, plan in _RECENT_PLANS:
+        if ref() is cu_seqlens and entry_key == key:
+            return plan
+    plan = _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+    _RECENT_PLANS.insert(0, (weakref.ref(cu_seqlens), key, plan))
+    del _RECENT_PLANS[RECENT_PLANS_KEPT:]
+    return plan
 
 
 def _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:

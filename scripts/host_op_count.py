@@ -63,7 +63,9 @@ def main(specs, backward_too=True, where=False):
     import flash_gdn.planning as planning
     # The meta device stands in for CUDA: take the device-planning path.
     patches.append(mock.patch.object(backward, "num_sms", lambda i: 132))
-    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None: planning._device_plan(b, t, cu, d, s)
+    # (through the cache of recent cu_seqlens plans, as on a GPU: the counted call is a repeat)
+    patches.append(mock.patch.object(planning, "_current_stream", lambda d: 0))
+    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None: planning._recent_device_plan(b, t, cu, d, s)
                                      if cu is not None else planning._batch_plan(b, t, d, s)))
     for p in patches:
         p.start()

@@ -68,3 +68,40 @@ def test_batch_plans_are_built_once_per_shape():
     segs = plan_segments(3, 200, None, cpu, seg_chunks=2)
     assert segs is plan_segments(3, 200, None, cpu, seg_chunks=2)
     assert plan_segments(3, 200, None, cpu, seg_chunks=1) is not segs
+
+
+def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
+    """``_recent_device_plan`` (the CUDA varlen path) hands back a plan for the same
+    cu_seqlens object, unmodified, same sizes and stream; anything else plans anew."""
+    from flash_gdn import planning
+
+    built = []
+
+    def device_plan(batch, seq_len, cu, device, seg_chunks):
+        built.append(cu)
+        return planning._torch_plan(batch, seq_len, cu, torch.device("cpu"), seg_chunks)
+
+    stream = ["s0"]
+    monkeypatch.setattr(planning, "_device_plan", device_plan)
+    monkeypatch.setattr(planning, "_current_stream", lambda device: stream[0])
+    monkeypatch.setattr(planning, "_RECENT_PLANS", [])
+    dev = torch.device("cpu")
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    first = planning._recent_device_plan(1, 300, cu, dev, None)
+    assert planning._recent_device_plan(1, 300, cu, dev, None) is first and len(built) == 1
+    assert planning._recent_device_plan(1, 300, cu, dev, 2) is not first  # other segments
+    assert planning._recent_device_plan(1, 300, cu.clone(), dev, None) is not first  # other tensor, same values
+    stream[0] = "s1"
+    assert planning._recent_device_plan(1, 300, cu, dev, None) is not first  # other stream
+    stream[0] = "s0"
+    assert planning._recent_device_plan(1, 300, cu, dev, None) is first
+    cu[1] = 200  # in place: the version counter moves
+    moved = planning._recent_device_plan(1, 300, cu, dev, None)
+    assert moved is not first and moved.seq_info[0, 1].item() == 200
+    count = len(built)
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 100, 300], dtype=torch.int32)
+    planning._recent_device_plan(1, 300, frozen, dev, None)
+    planning._recent_device_plan(1, 300, frozen, dev, None)
+    assert len(built) == count + 2  # no version counter: never reused
+    assert len(planning._RECENT_PLANS) <= planning.RECENT_PLANS_KEPT

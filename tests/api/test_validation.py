@@ -139,3 +139,38 @@ def test_inputs_not_modified_in_place():
     chunk_gated_delta_rule(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True)
     for name, t in inputs.items():
         assert torch.equal(t, before[name]), name
+
+
+def test_rules_run_again_for_new_metadata_after_a_call_that_passed():
+    """``check_inputs`` answers a call whose metadata matches one that passed from its memo;
+    anything the rules read that differs must still be checked."""
+    from flash_gdn import validation
+
+    good = _args()
+    chunk_gated_delta_rule(**good, scale=1)
+    memo = dict(validation._PASSED)
+    assert any(key[5] is int for key in memo)  # the passing call is remembered
+    with pytest.raises(TypeError, match="scale must be a Python float"):  # True == 1, but a bool
+        chunk_gated_delta_rule(**good, scale=True)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        chunk_gated_delta_rule(**good, scale=math.nan)
+    with pytest.raises(TypeError, match="scale must be a Python float"):  # unhashable
+        chunk_gated_delta_rule(**good, scale=[1.0])
+    with pytest.raises(TypeError, match="v must have q's dtype"):
+        chunk_gated_delta_rule(**dict(good, v=good["v"].double()))
+    # Values of a CPU cu_seqlens are checked on every call, also after one that passed.
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    chunk_gated_delta_rule(**good, cu_seqlens=cu)
+    cu[1] = 30
+    with pytest.raises(ValueError, match="non-decreasing"):
+        chunk_gated_delta_rule(**good, cu_seqlens=cu)
+
+
+def test_memo_gives_the_same_problem():
+    from flash_gdn import validation
+
+    good = _args()
+    args = (good["q"], good["k"], good["v"], good["g"], good["beta"], 0.25, None, None, False)
+    first = validation.check_inputs(*args)
+    assert validation.check_inputs(*args) is first
+    assert first == validation._check_inputs(*args, None)
