@@ -13,7 +13,7 @@ from ..validation import Problem
 from .context_parallel import segment_chunks_for
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
+from .prepare_wu import FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_output import build_state_output
@@ -43,9 +43,11 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states),
                    lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states))
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
-    # from prepare_wu); the saved-state kernel reads U.
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states))
-    qf, kf, w, gamma = prep.q, prep.k, prep.w, prep.gamma
+    # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
+    # written; the saved-state kernel reads U and W.
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states, cp))
+    qf, kf, gamma = prep.q, prep.k, prep.gamma
+    w = prep.w if prep.w is not None else unused_buffer(q.device, q.dtype, (1, 1, dk))
     # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major).
     u_or_v_au = (prep.u,) if save_states else (prep.v, prep.a_u)
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
@@ -65,8 +67,9 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         # two CTAs of 64 columns even when the GPU is underfilled: 6.1 vs 6.9 us per chunk, H200).
         if save_states:  # writes h and V_new too
             return build_state_output(dk, dv, tl_dtype, has_initial, dv)
-        # The state as a register operand (no shared-memory round trip per chunk).
-        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial)
+        # The state as a register operand (no shared-memory round trip per chunk); W S formed
+        # from K and A_g where prepare_wu did not write W.
+        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial, form_w=not cp)
 
     if seg_chunks is None:
         final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
@@ -106,14 +109,16 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     return o.view(batch, seq_len, hv, dv), final_state, extras
 
 
-def _prepare_outputs(save_states: bool) -> tuple[bool, bool, bool]:
-    return SAVED_STATE_OUTPUTS if save_states else FORWARD_OUTPUTS
+def _prepare_outputs(save_states: bool, cp: bool) -> tuple[bool, bool, bool, bool]:
+    if save_states:
+        return SAVED_STATE_OUTPUTS
+    return FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
 
 
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
-    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states))]
+    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp))]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
     if cp:
@@ -123,5 +128,5 @@ def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
     if save_states:
         builders.append(lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv))
     else:
-        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0))
+        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, form_w=not cp))
     return builders

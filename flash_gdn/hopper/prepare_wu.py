@@ -11,7 +11,11 @@ caller: the forward's state kernels and the backward's ``chunk_states`` (and the
 transitions of context parallelism in both) form U = A_g V themselves from V and A_g (written
 here in the input dtype, ``write_au``; 8 KB per chunk and head instead of U's 16 KB, and this
 kernel skips V and the U product); only the forward that saves its chunk states reads U
-(``write_u``: its ``state_output`` writes h and V_new for the backward).
+(``write_u``: its ``state_output`` writes h and V_new for the backward). Likewise the forward
+without context parallelism forms W S from K and A_g in its state kernel (W = A_g diag(e^gamma r)
+K, ``state_output_vmajor`` with ``form_w``), so there W is not written either (``write_w``
+False: no A_w, no W product, no 16 KB store per chunk and head); the segment transitions and
+the backward read W.
 
 Fused L2 norm (``normalize`` = 1): K K^T's diagonal gives |k_i|^2, so with
 r_i = 1 / sqrt(|k_i|^2 + 1e-6) the normalised keys enter as K K^T -> r_i (K K^T)_ij r_j and
@@ -34,23 +38,26 @@ from .launch import Launcher
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
-# What a call needs written, (write_inverse, write_u, write_au): the forward's state kernels
-# form U from A_g; the backward also needs A_r; the forward that saves its chunk states runs
-# ``state_output``, which reads U, and keeps A_r for the backward. The launch code and the
-# prebuild lists (forward_builders, backward._build_kernels, variants) all take these.
-FORWARD_OUTPUTS = (False, False, True)
-BACKWARD_OUTPUTS = (True, False, True)
-SAVED_STATE_OUTPUTS = (True, True, False)
+# What a call needs written, (write_inverse, write_u, write_au, write_w): the forward's state
+# kernel forms U from A_g and, without context parallelism, W S from K and A_g too (so W is not
+# written); the segment transitions of CP read W; the backward also needs A_r; the forward that
+# saves its chunk states runs ``state_output``, which reads U and W, and keeps A_r and W for
+# the backward. The launch code and the prebuild lists (forward_builders,
+# backward._build_kernels, variants) all take these.
+FORWARD_OUTPUTS = (False, False, True, False)
+FORWARD_CP_OUTPUTS = (False, False, True, True)
+BACKWARD_OUTPUTS = (True, False, True, True)
+SAVED_STATE_OUTPUTS = (True, True, False, True)
 
 
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
-                     write_u: bool = True, write_au: bool = False):
-    return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au))
+                     write_u: bool = True, write_au: bool = False, write_w: bool = True):
+    return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w))
 
 
 @tilelang.jit
-def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, threads=128):
+def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, threads=128):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -63,6 +70,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     u_heads = T.dynamic("u_heads") if not write_u else num_v_heads
     au_chunks = T.dynamic("au_chunks")
     au_heads = T.dynamic("au_heads")
+    w_tokens = T.dynamic("w_tokens") if not write_w else tokens
+    w_heads = T.dynamic("w_heads") if not write_w else num_v_heads
 
     @T.prim_func
     def prepare_wu(
@@ -71,7 +80,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
         g: T.Tensor((tokens, num_v_heads), gate_dtype),
         beta: T.Tensor((tokens, num_v_heads), gate_dtype),
         bounds: T.Tensor((num_chunks, 2), "int32"),
-        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        w: T.Tensor((w_tokens, w_heads, head_k), dtype),
         u: T.Tensor((u_tokens, u_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
@@ -100,10 +109,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             column = T.alloc_local((BLOCK,), ACCUM)
             inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
-            a_w = T.alloc_shared((CHUNK, CHUNK), dtype)
+            a_w = T.alloc_shared((CHUNK, CHUNK), dtype) if write_w else None
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             u_acc = T.alloc_fragment((CHUNK, head_v), ACCUM) if write_u else None
-            w_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            w_acc = T.alloc_fragment((CHUNK, head_k), ACCUM) if write_w else None
             qk_head = T.alloc_var("int32")
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
@@ -151,9 +160,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
 
                 # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
                 # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    kkt[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j] * k_inv[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
-                T.copy(kkt, a_w)
+                if write_w:
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        kkt[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j] * k_inv[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
+                    T.copy(kkt, a_w)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     inv[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(inv, a_u)
@@ -162,20 +172,23 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
 
                 # W, then U, each staged in the tile it was made from (free once its product is
                 # done) and stored whole by TMA; a sequence's partial last chunk row by row.
-                T.gemm(a_w, k_tile, w_acc, clear_accum=True)
-                T.copy(w_acc, k_tile)
+                if write_w:
+                    T.gemm(a_w, k_tile, w_acc, clear_accum=True)
+                    T.copy(w_acc, k_tile)
                 if write_u:
                     T.mbarrier_wait_parity(v_ready, 0)
                     T.gemm(a_u, v_tile, u_acc, clear_accum=True)
                     T.copy(u_acc, v_tile)
                 if length == CHUNK:
-                    T.copy(k_tile, w[start:start + CHUNK, head, 0:head_k])
+                    if write_w:
+                        T.copy(k_tile, w[start:start + CHUNK, head, 0:head_k])
                     if write_u:
                         T.copy(v_tile, u[start:start + CHUNK, head, 0:head_v])
                 else:
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        if i < length:
-                            w[start + i, head, d] = k_tile[i, d]
+                    if write_w:
+                        for i, d in T.Parallel(CHUNK, head_k):
+                            if i < length:
+                                w[start + i, head, d] = k_tile[i, d]
                     if write_u:
                         for i, d in T.Parallel(CHUNK, head_v):
                             if i < length:
@@ -203,7 +216,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
 class Prepared(NamedTuple):
     """What the forward and the backward share after ``prepare_wu``: the chunk plan, the
     inputs flattened to ``[tokens, heads, dim]`` (g and beta in the kernels' gate dtype),
-    W, U, gamma ``[Hv, chunks, 64]``, the inverse norms ``[Hqk, chunks, 64]`` and, when asked
+    W (None where not written), U, gamma ``[Hv, chunks, 64]``, the inverse norms ``[Hqk, chunks, 64]`` and, when asked
     for (the backward's), each chunk's gate-free inverse A_r ``[chunks, Hv, 64, 64]`` in fp16;
     ``a_u``: A_g ``[chunks, Hv, 64, 64]`` in the input dtype when asked for (U is then None
     unless asked for too)."""
@@ -239,11 +252,11 @@ def unused_buffer(dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...])
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                outputs: tuple[bool, bool, bool] = FORWARD_OUTPUTS) -> Prepared:
+                outputs: tuple[bool, bool, bool, bool] = FORWARD_OUTPUTS) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
-    write_au), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token and value head."""
-    write_inverse, write_u, write_au = outputs
+    write_au, write_w), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token and value head."""
+    write_inverse, write_u, write_au, write_w = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     dtype, dev = q.dtype, q.device
@@ -255,7 +268,7 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
     plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks)
     num_chunks = plan.chunk_bounds.shape[0]
-    w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
+    w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))
     a_u = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=dtype, device=dev) if write_au
            else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
@@ -269,5 +282,5 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)(
         kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u
     )
-    return Prepared(plan, qf, kf, vf, bf, w, u if write_u else None, gamma, q_norm_inv, k_norm_inv,
+    return Prepared(plan, qf, kf, vf, bf, w if write_w else None, u if write_u else None, gamma, q_norm_inv, k_norm_inv,
                     a_r if write_inverse else None, a_u if write_au else None)

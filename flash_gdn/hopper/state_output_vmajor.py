@@ -17,6 +17,18 @@ go through shared memory. U = A_g V is formed here (first product of a chunk, it
 state) rather than read: ``prepare_wu`` then skips V and the U product, and A_g (8 KB per
 chunk and head) replaces U (16 KB) in HBM.
 
+``form_w`` (the forward without context parallelism): W is not read either. With
+W = A_g diag(e^gamma r) K (``prepare_wu``; r the inverse key norms),
+
+    V_new^T = V^T A_g^T - ((S^T K^T) diag(e^gamma r)) A_g^T
+
+so the chunk's K tile, already loaded, stands in for W: -S^T K^T (as large a product as
+-S^T W^T), its copy weighted by columns in registers, then one 64-deep product with A_g^T into
+the accumulator that holds U^T. One product longer on the chain to V_new, but ``prepare_wu``
+skips its W product and store, and 16 KB per chunk and head less is read here (measured:
+forward -7 to -22 % without CP; docs/performance.md, v9). e^gamma_j underflows only where the
+exact term (of size e^gamma_i <= e^gamma_j) does.
+
 Columns of V_new^T past the end of a sequence hold finite values (A_g's rows and columns
 there are zero; W's rows are the next sequence's or the zeros of a bulk copy past the
 tensor): their state weights are zero, and P^T
@@ -40,24 +52,28 @@ ROWS = T.GemmWarpPolicy.FullRow
 
 
 @functools.lru_cache(maxsize=None)
-def build_state_output_vmajor(head_k: int, head_v: int, dtype: str, has_initial: bool, num_stages: int = 2):
-    return Launcher(_state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages))
+def build_state_output_vmajor(head_k: int, head_v: int, dtype: str, has_initial: bool, form_w: bool = False,
+                              num_stages: int = 2):
+    return Launcher(_state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages))
 
 
 @tilelang.jit
-def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
+def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
+    # With form_w, W is not read (any small buffer will do).
+    w_tokens = T.dynamic("w_tokens") if form_w else tokens
+    w_heads = T.dynamic("w_heads") if form_w else num_v_heads
     threads = 128 * (head_v // 64)
 
     @T.prim_func
     def state_output_vmajor(
         q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        w: T.Tensor((w_tokens, w_heads, head_k), dtype),
         v: T.Tensor((tokens, num_v_heads, head_v), dtype),
         a_u: T.Tensor((num_chunks, num_v_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
@@ -72,7 +88,7 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
         with T.Kernel(num_seqs, num_v_heads, threads=threads) as (seq, head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            w_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            w_tile = T.alloc_shared((CHUNK, head_k), dtype) if not form_w else None
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             au_tile = T.alloc_shared((CHUNK, CHUNK), dtype)
             pt_s = T.alloc_shared((CHUNK, CHUNK), dtype)
@@ -88,6 +104,10 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
             vn_t = T.alloc_fragment((head_v, CHUNK), ACCUM)  # V_new^T
             vn_a = T.alloc_fragment((head_v, CHUNK), dtype)
             vnw_a = T.alloc_fragment((head_v, CHUNK), dtype)  # V_new^T diag(e^(gamma_C - gamma) d_k)
+            # form_w: -S^T K^T, then its copy weighted by columns, the A operand of the product with A_g^T.
+            sk_t = T.alloc_fragment((head_v, CHUNK), ACCUM) if form_w else None
+            skw_a = T.alloc_fragment((head_v, CHUNK), dtype) if form_w else None
+            w_col = T.alloc_shared((CHUNK,), ACCUM) if form_w else None
             out_t = T.alloc_fragment((head_v, CHUNK), ACCUM)  # O^T
             pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # P^T [j, i]
             # Per-column and per-row factors of P^T in registers (each thread loads its own).
@@ -120,7 +140,8 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
             for c in T.Pipelined(T.ceildiv(seq_end - seq_start, CHUNK), num_stages=num_stages):
                 T.copy(q[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], q_tile)
                 T.copy(k[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
-                T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+                if not form_w:
+                    T.copy(w[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
                 T.copy(v[seq_start + c * CHUNK:seq_start + (c + 1) * CHUNK, head, 0:head_v], v_tile)
                 T.copy(a_u[first_chunk + c, head, 0:CHUNK, 0:CHUNK], au_tile)
                 T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
@@ -130,33 +151,66 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, num_stages):
                 length = T.min(seq_end - start, CHUNK)
                 gamma_last = gamma_s[length - 1]
 
-                # U^T = V^T A_g^T (needs no state: issued first), then the products that need
-                # only S: - S^T W^T into the same accumulator (everything after waits for V_new),
-                # P^T = K Q^T and S^T Q^T (unscaled; the factors go on their accumulators' columns below).
-                T.wgmma_gemm(v_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True, policy=ROWS)
-                for vr, i in T.Parallel(head_v, head_k):
-                    state_neg[vr, i] = T.cast(-state_t[vr, i], dtype)
-                T.wgmma_gemm(state_neg, w_tile, vn_t, transpose_B=True, policy=ROWS)
-                T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
-                # Column factors (fast exp: every argument is <= 0; gamma is constant past the end).
-                for i in T.Parallel(CHUNK):
-                    q_scale[i] = -T.__exp(gamma_s[i]) * scale * q_inv[i]  # minus: out_t holds -S^T Q^T
-                    q_col[i] = scale * q_inv[i]
-                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
-                decay = T.__exp(gamma_last)
+                if form_w:
+                    # W S without W (DESIGN section 2: W = A_g diag(e^gamma r) K):
+                    #   V_new^T = V^T A_g^T - ((S^T K^T) diag(e^gamma r)) A_g^T,
+                    # P^T = K Q^T first (needs nothing), U^T, then -S^T K^T; the second product
+                    # with A_g^T takes the weighted -S^T K^T from registers, and S^T Q^T follows it.
+                    T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(v_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True, policy=ROWS)
+                    for vr, i in T.Parallel(head_v, head_k):
+                        state_neg[vr, i] = T.cast(-state_t[vr, i], dtype)
+                    T.wgmma_gemm(state_neg, k_tile, sk_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                    for i in T.Parallel(CHUNK):
+                        w_col[i] = T.__exp(gamma_s[i]) * k_inv[i]
+                        q_scale[i] = -T.__exp(gamma_s[i]) * scale * q_inv[i]  # minus: out_t holds -S^T Q^T
+                        q_col[i] = scale * q_inv[i]
+                        k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+                    decay = T.__exp(gamma_last)
+                    T.wait_wgmma(0)
+                    for vr, i in T.Parallel(head_v, CHUNK):
+                        skw_a[vr, i] = T.cast(sk_t[vr, i] * w_col[i], dtype)
+                    T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, policy=ROWS)
+                    T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                    # State update as soon as V_new is known (as below).
+                    T.wait_wgmma(1)
+                    if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                        sink = v_tile[0, 0] + au_tile[0, 0]
+                    for vr, i in T.Parallel(head_v, CHUNK):
+                        vnw_a[vr, i] = T.cast(vn_t[vr, i] * k_scale[i], dtype)
+                    for vr, i in T.Parallel(head_v, head_k):
+                        state_t[vr, i] = state_t[vr, i] * decay
+                    T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
+                    for vr, i in T.Parallel(head_v, CHUNK):
+                        vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
+                else:
+                    # U^T = V^T A_g^T (needs no state: issued first), then the products that need
+                    # only S: - S^T W^T into the same accumulator (everything after waits for V_new),
+                    # P^T = K Q^T and S^T Q^T (unscaled; the factors go on their accumulators' columns below).
+                    T.wgmma_gemm(v_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True, policy=ROWS)
+                    for vr, i in T.Parallel(head_v, head_k):
+                        state_neg[vr, i] = T.cast(-state_t[vr, i], dtype)
+                    T.wgmma_gemm(state_neg, w_tile, vn_t, transpose_B=True, policy=ROWS)
+                    T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                    # Column factors (fast exp: every argument is <= 0; gamma is constant past the end).
+                    for i in T.Parallel(CHUNK):
+                        q_scale[i] = -T.__exp(gamma_s[i]) * scale * q_inv[i]  # minus: out_t holds -S^T Q^T
+                        q_col[i] = scale * q_inv[i]
+                        k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+                    decay = T.__exp(gamma_last)
 
-                # State update as soon as V_new is known: S^T = e^gamma_C S^T + (V_new^T diag(k_scale)) K.
-                T.wait_wgmma(2)
-                if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
-                    sink = w_tile[0, 0] + v_tile[0, 0] + au_tile[0, 0]
-                for vr, i in T.Parallel(head_v, CHUNK):
-                    vnw_a[vr, i] = T.cast(vn_t[vr, i] * k_scale[i], dtype)
-                for vr, i in T.Parallel(head_v, head_k):
-                    state_t[vr, i] = state_t[vr, i] * decay
-                T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
-                for vr, i in T.Parallel(head_v, CHUNK):
-                    vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
+                    # State update as soon as V_new is known: S^T = e^gamma_C S^T + (V_new^T diag(k_scale)) K.
+                    T.wait_wgmma(2)
+                    if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                        sink = w_tile[0, 0] + v_tile[0, 0] + au_tile[0, 0]
+                    for vr, i in T.Parallel(head_v, CHUNK):
+                        vnw_a[vr, i] = T.cast(vn_t[vr, i] * k_scale[i], dtype)
+                    for vr, i in T.Parallel(head_v, head_k):
+                        state_t[vr, i] = state_t[vr, i] * decay
+                    T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
+                    for vr, i in T.Parallel(head_v, CHUNK):
+                        vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
 
                 # P^T[j, i] = scale e^(gamma_i - gamma_j) d_q[i] d_k[j] (K Q^T)[j, i] for i >= j.
                 T.wait_wgmma(2)

@@ -12,7 +12,7 @@ from .chunk_states import build_chunk_states
 from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
-from .prepare_wu import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu
+from .prepare_wu import BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -23,7 +23,7 @@ from .state_output_vmajor import build_state_output_vmajor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
-PREPARE_OUTPUTS = (FORWARD_OUTPUTS, BACKWARD_OUTPUTS, SAVED_STATE_OUTPUTS)
+PREPARE_OUTPUTS = (FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, BACKWARD_OUTPUTS, SAVED_STATE_OUTPUTS)
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -35,7 +35,7 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # Outputs (write_inverse, write_u, write_au): prepare_wu's FORWARD/BACKWARD/SAVED_STATE_OUTPUTS.
+    # Outputs (write_inverse, write_u, write_au, write_w): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
     builders += [(f"segment_state[{dtype},form_u={fu}]", lambda fu=fu: build_segment_state(d, d, dtype, fu))
@@ -46,8 +46,10 @@ def kernel_builders(head_dim: int, dtype: str):
     # The forward's output pass; state_output only in the mode that writes the chunk states.
     builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
                  for h0 in (False, True)]
-    builders += [(f"state_output_vmajor[{dtype},h0={h0}]", lambda h0=h0: build_state_output_vmajor(d, d, dtype, h0))
-                 for h0 in (False, True)]
+    # form_w (W S from K and A_g) without CP; with CP (always an initial state) W is read.
+    builders += [(f"state_output_vmajor[{dtype},h0={h0},form_w={fw}]",
+                  lambda h0=h0, fw=fw: build_state_output_vmajor(d, d, dtype, h0, fw))
+                 for h0, fw in ((False, True), (True, True), (True, False))]
     return builders
 
 
