@@ -167,3 +167,25 @@ def test_batch_plan_first_built_inside_a_capture_is_not_reused_eagerly():
         chunk_gated_delta_rule(**static)
     fresh = _inputs(333, 2, 8, 128, batch=2)
     _check(fresh)  # eager, same shape: must not reuse a plan that was only recorded
+
+
+def test_varlen_plan_follows_cu_seqlens_rewritten_in_place():
+    """The chunk map of a cu_seqlens tensor is reused across calls (planning._recent_device_plan)
+    only while the tensor is unmodified: rewritten in place, the next call plans anew, and a
+    captured graph plans from the buffer's contents at every replay."""
+    first, second = [100, 900, 24], [512, 1, 511]
+    inputs = _inputs(sum(first), 2, 8, 128, gate=(0.0, 5.0), n=3, h0=True)
+    cu = random_cu_seqlens(first, device="cuda", dtype=torch.int32)
+    _check(inputs, cu_seqlens=cu)
+    _check(inputs, cu_seqlens=cu)  # the reused plan
+    cu.copy_(random_cu_seqlens(second, device="cuda", dtype=torch.int32))
+    _check(inputs, cu_seqlens=cu)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, s = chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
+    cu.copy_(random_cu_seqlens(first, device="cuda", dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    o_ref, s_ref = naive_recurrence(**{n: t.double() for n, t in inputs.items()}, cu_seqlens=cu,
+                                    output_final_state=True)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
