@@ -187,6 +187,11 @@ class _HopperGDN(torch.autograd.Function):
 
 
 def _needs_grad(*tensors) -> bool:
+    """Whether the call must go through the autograd Function: a gradient is wanted, or
+    forward-mode AD is active (dual tensors do not set requires_grad; the Function then
+    raises that it has no jvp instead of returning a zero tangent)."""
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return True
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 

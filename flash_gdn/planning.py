@@ -99,19 +99,23 @@ def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: 
     if cu_seqlens is None and not capturing:
         return _batch_plan(batch, seq_len, _canonical(device), seg_chunks)
     if device.type == "cuda":
-        if capturing:
+        if capturing or cu_seqlens.device.type != "cuda":
             return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
         return _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
     return _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
 
 
-# Varlen plans of the last few cu_seqlens tensors: every GDN layer of a model's forward (and
-# its backward) is passed the same cu_seqlens, so one plan serves them all. An entry is reused
-# only for the same tensor object, still alive, unmodified since (its version counter: every
-# torch in-place op bumps it), with the same sizes and segment length, on the same stream.
-# Not used while capturing a CUDA graph (the graph must compute its plan from the buffer's
-# contents at replay), nor for inference-mode tensors (they keep no version counter, so an
-# in-place update of a persistent cu_seqlens buffer could not be seen).
+# Varlen plans of the last few CUDA cu_seqlens tensors: every GDN layer of a model's forward
+# (and its backward) is passed the same cu_seqlens, so one plan serves them all. An entry is
+# reused only for the same tensor object, still alive, unmodified since (its version counter:
+# every torch in-place op bumps it), with the same storage, length and dtype (``.data``
+# rebinding keeps the version), the same sizes and segment length, on the same stream. Not
+# used while capturing a CUDA graph (the graph must compute its plan from the buffer's contents
+# at replay), for inference-mode tensors (they keep no version counter, so an in-place update
+# of a persistent buffer could not be seen), nor for a CPU cu_seqlens (host buffers are often
+# written through numpy or pinned-memory views, which keep the version; that path copies it to
+# the device anyway). Writes that bypass torch (another framework through DLPack, a replayed
+# graph) are not seen either: such a buffer must be passed as a new tensor between eager calls.
 _RECENT_PLANS: list[tuple] = []
 RECENT_PLANS_KEPT = 8
 
@@ -132,7 +136,8 @@ def _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> Chunk
         version = cu_seqlens._version
     except RuntimeError:  # an inference tensor
         return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
-    key = (version, batch, seq_len, device, seg_chunks, _current_stream(device))
+    key = (version, cu_seqlens.data_ptr(), cu_seqlens.shape, cu_seqlens.dtype, batch, seq_len, device, seg_chunks,
+           _current_stream(device))
     for ref, entry_key, plan in _RECENT_PLANS:
         if ref() is cu_seqlens and entry_key == key:
             return plan

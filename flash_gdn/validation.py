@@ -88,7 +88,7 @@ def _metadata(x) -> tuple | None:
 def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, validate_cu_seqlens) -> tuple | None:
     """What the shape-only rules read, as a dict key; None where the rules must run (the
     values of ``cu_seqlens`` are to be checked, or an argument is not tensor-like)."""
-    if validate_cu_seqlens is not None:
+    if validate_cu_seqlens is not None or scale == 0:  # (0.0 and -0.0 are equal keys)
         return None
     try:
         if cu_seqlens is not None and (cu_seqlens.device.type == "cpu"

@@ -98,6 +98,9 @@ def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
     cu[1] = 200  # in place: the version counter moves
     moved = planning._recent_device_plan(1, 300, cu, dev, None)
     assert moved is not first and moved.seq_info[0, 1].item() == 200
+    cu.data = torch.tensor([0, 10, 20, 300], dtype=torch.int32)  # rebound: same version, other storage
+    rebound = planning._recent_device_plan(1, 300, cu, dev, None)
+    assert rebound is not moved and rebound.seq_info.shape[0] == 3
     count = len(built)
     with torch.inference_mode():
         frozen = torch.tensor([0, 100, 300], dtype=torch.int32)

@@ -69,7 +69,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
             return build_state_output(dk, dv, tl_dtype, has_initial, dv)
         # The state as a register operand (no shared-memory round trip per chunk); W S formed
         # from K and A_g where prepare_wu did not write W.
-        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial, form_w=not cp)
+        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial, not cp)  # form_w without CP
 
     if seg_chunks is None:
         final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
@@ -128,5 +128,5 @@ def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
     if save_states:
         builders.append(lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv))
     else:
-        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, form_w=not cp))
+        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp))
     return builders

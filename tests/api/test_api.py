@@ -106,3 +106,18 @@ def test_save_chunk_states_is_a_bool_and_a_no_op_on_the_portable_path():
     o1, _ = chunk_gated_delta_rule(**inputs)
     o2, _ = chunk_gated_delta_rule(**inputs, save_chunk_states=True)
     assert torch.equal(o1, o2)
+
+
+def test_forward_mode_ad_takes_the_autograd_path():
+    """Dual tensors do not set requires_grad: the no-grad fast path must not take them (the
+    autograd Function then says it has no jvp rather than returning a zero tangent)."""
+    import torch.autograd.forward_ad as fwAD
+
+    from flash_gdn import api
+
+    x = torch.zeros(2)
+    assert not api._needs_grad(x, None)
+    with fwAD.dual_level():
+        assert api._needs_grad(x, None)
+    with torch.no_grad():
+        assert not api._needs_grad(x.requires_grad_(True))
