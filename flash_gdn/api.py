@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from . import dispatch
+from .fla_compat import apply_fla_options
 from .reference.chunked import chunked_forward
 from .validation import Problem, check_inputs
 
@@ -208,6 +209,13 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
     save_chunk_states: bool = False,
+    *,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context=None,
+    **fla_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Chunked Gated DeltaNet (drop-in for FLA's ``chunk_gated_delta_rule``).
 
@@ -231,10 +239,25 @@ def chunk_gated_delta_rule(
             path): a faster backward for ``K V / 32 + 2 (K + V) + 128`` more bytes per token and
             value head (1.125 KiB at K = V = 128). Default: recompute (least memory).
 
+    FLA 0.6.0's other options (keyword arguments; ``fla_compat``):
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits; ``sigmoid(beta)`` is used (fp32).
+        allow_neg_eigval: with the above, ``2 sigmoid(beta)`` (beta in [0, 2)).
+        use_gate_in_kernel, A_log, dt_bias: ``g`` holds the raw gate projection; the log gate
+            is ``-exp(A_log) softplus(g + dt_bias)`` (``A_log``, ``dt_bias``: ``[Hv]``).
+        cu_seqlens_cpu, chunk_indices: accepted, not needed (the plan is made on the device).
+        chunk_size: 16, 32 or 64 accepted (the kernels use 64). transpose_state_layout:
+            the deprecated name of ``state_v_first``. cp_context: not supported.
+        Gradients reach the raw ``g``, ``beta``, ``A_log`` and ``dt_bias``.
+
     Returns:
         ``(o, final_state)``: o ``[B, T, Hv, V]`` in v's dtype; final_state or None.
         Differentiable with respect to q, k, v, g, beta and initial_state.
     """
+    if fla_kwargs or use_beta_sigmoid_in_kernel or allow_neg_eigval or cp_context is not None:
+        # (shapes first: the transforms below keep them)
+        check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+        g, beta, state_v_first = apply_fla_options(g, beta, v.shape[2], state_v_first, use_beta_sigmoid_in_kernel,
+                                                   allow_neg_eigval, cp_context, fla_kwargs)
     problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     _check_flag("save_chunk_states", save_chunk_states)
     path = _choose_path(q, problem)

@@ -189,3 +189,24 @@ def test_varlen_plan_follows_cu_seqlens_rewritten_in_place():
     o_ref, s_ref = naive_recurrence(**{n: t.double() for n, t in inputs.items()}, cu_seqlens=cu,
                                     output_final_state=True)
     assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+def test_fla_gate_and_beta_options_on_hopper_path():
+    """FLA's use_gate_in_kernel / use_beta_sigmoid_in_kernel (flash_gdn.fla_compat) feed the
+    Hopper kernels the transformed gate and beta; gradients reach the raw inputs."""
+    inputs = _inputs(300, 2, 8, 128, h0=True)
+    raw = torch.randn(1, 300, 8, device="cuda") * 2
+    logits = torch.randn(1, 300, 8, device="cuda")
+    a_log = torch.randn(8, device="cuda") * 0.5
+    leaves = [t.clone().requires_grad_(True) for t in (raw, logits, a_log)]
+    o, s = chunk_gated_delta_rule(**dict(inputs, g=leaves[0], beta=leaves[1]), output_final_state=True,
+                                  use_gate_in_kernel=True, A_log=leaves[2], use_beta_sigmoid_in_kernel=True)
+    (o.float().square().sum() + s.sum()).backward()
+    ref = [t.double().requires_grad_(True) for t in (raw, logits, a_log)]
+    g = -ref[2].exp() * F.softplus(ref[0])
+    o_r, s_r = naive_recurrence(**{n: t.double() for n, t in inputs.items() if n not in ("g", "beta")}, g=g,
+                                beta=ref[1].sigmoid(), output_final_state=True)
+    (o_r.square().sum() + s_r.sum()).backward()
+    assert rel_err(o, o_r) <= TOL and rel_err(s, s_r) <= TOL
+    for mine, theirs in zip(leaves, ref):
+        assert rel_err(mine.grad, theirs.grad) <= 2e-2
