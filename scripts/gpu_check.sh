@@ -18,6 +18,9 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" FLA_FLASH_QLA=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 
+# Every kernel variant the tests and the benchmark launch (K = V = 128 and 64, bf16 and fp16),
+# compiled side by side first: the tests would otherwise compile them one by one as they go.
+python3 -c "import time, torch; from flash_gdn import warmup; t = time.time(); n = warmup(128, (torch.bfloat16, torch.float16), backward=True) + warmup(64, (torch.bfloat16,), backward=True); print(f'warmup: {len(n)} variants in {time.time() - t:.0f} s')" 2>&1 | grep -v INFO
 python3 -m pytest -q -m "gpu" tests ${PYTEST_ARGS:-} 2>&1 | tee /tmp/gpu_tests.log
 test_rc=${PIPESTATUS[0]}
 
