@@ -16,7 +16,7 @@ import torch
 from . import dispatch
 from .fla_compat import apply_fla_options
 from .reference.chunked import chunked_forward
-from .validation import Problem, check_inputs
+from .validation import Problem, check_flag, check_inputs
 
 
 @dataclass
@@ -65,11 +65,6 @@ def _choose_path(q: torch.Tensor, problem: Problem) -> str:
     return path
 
 
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
 def _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first, path,
                   save_states=False):
     """Run the chosen implementation without autograd; returns (o, final_state, extras)."""
@@ -106,7 +101,7 @@ def chunk_gated_delta_rule_fwd(
     :func:`chunk_gated_delta_rule`.
     """
     problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
-    _check_flag("save_chunk_states", save_chunk_states)
+    check_flag("save_chunk_states", save_chunk_states)
     path = _choose_path(q, problem)
     with torch.no_grad():
         o, final_state, extras = _forward_impl(
@@ -259,7 +254,7 @@ def chunk_gated_delta_rule(
         g, beta, state_v_first = apply_fla_options(g, beta, v.shape[2], state_v_first, use_beta_sigmoid_in_kernel,
                                                    allow_neg_eigval, cp_context, fla_kwargs)
     problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
-    _check_flag("save_chunk_states", save_chunk_states)
+    check_flag("save_chunk_states", save_chunk_states)
     path = _choose_path(q, problem)
     if path == dispatch.PORTABLE:
         return chunked_forward(q, k, v, g, beta, problem.scale, initial_state, output_final_state,

@@ -16,6 +16,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .validation import check_flag
+
 FLA_CHUNK_SIZES = (16, 32, 64)
 
 
@@ -26,11 +28,6 @@ def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
     if dt_bias is not None:
         x = x + dt_bias.float()
     return -A_log.float().exp() * F.softplus(x)
-
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _check_head_vector(name: str, x, g: torch.Tensor, num_v_heads: int) -> torch.Tensor:
@@ -62,7 +59,7 @@ def apply_fla_options(g, beta, num_v_heads: int, state_v_first: bool, use_beta_s
         warnings.warn("transpose_state_layout is deprecated (as in FLA): use state_v_first", DeprecationWarning,
                       stacklevel=3)
         state_v_first = extra.pop("transpose_state_layout")
-        _check_flag("transpose_state_layout", state_v_first)
+        check_flag("transpose_state_layout", state_v_first)
     chunk_size = extra.pop("chunk_size", 64)
     if chunk_size not in FLA_CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {FLA_CHUNK_SIZES} (the kernels use 64), got {chunk_size!r}")
@@ -74,9 +71,9 @@ def apply_fla_options(g, beta, num_v_heads: int, state_v_first: bool, use_beta_s
     if cp_context is not None:
         raise NotImplementedError("cp_context (FLA's context parallelism across devices) is not supported; "
                                   "flash-gdn splits long sequences across the SMs of one GPU by itself")
-    _check_flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
-    _check_flag("allow_neg_eigval", allow_neg_eigval)
-    _check_flag("use_gate_in_kernel", use_gate_in_kernel)
+    check_flag("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
+    check_flag("allow_neg_eigval", allow_neg_eigval)
+    check_flag("use_gate_in_kernel", use_gate_in_kernel)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as in FLA)")
 

@@ -45,6 +45,10 @@ def _require(cond: bool, message, exc: type[Exception] = ValueError) -> None:
         raise exc(message() if callable(message) else message)
 
 
+def check_flag(name: str, value) -> None:
+    _require(isinstance(value, bool), lambda: f"{name} must be a bool, got {type(value).__name__}", TypeError)
+
+
 def _check_tensor(name: str, x, ndim: int, layout: str) -> None:
     _require(isinstance(x, torch.Tensor), lambda: f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
     _require(x.dim() == ndim, lambda: f"{name} must be {ndim}-D {layout}, got shape {tuple(x.shape)}")

@@ -34,10 +34,10 @@ from .context_parallel import backward_segment_chunks_for, num_sms
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
+from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, run_prepare
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
-from .segment_state import build_segment_state
+from .segment_state import build_segment_state, transition_sources
 from .state_grads import build_state_grads
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 from .wy_grads import build_wy_grads
@@ -259,10 +259,7 @@ def _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, rec
     but the first's). Recomputing, U = A_g V is formed in the kernel. With saved chunk states
     only M is needed and A_g was not kept: the variant that reads U runs with W (same shape,
     K = V) in its place, and the h columns come out meaningless and unread."""
-    if recompute:
-        sources = (unused_buffer(kf.device, kf.dtype, (1, 1, problem.head_v)), vf, a_u)
-    else:
-        sources = (w, w, unused_buffer(kf.device, kf.dtype, (1, 1, CHUNK, CHUNK)))
+    sources = transition_sources(v=vf, a_u=a_u) if recompute else transition_sources(u=w)
     build_segment_state(problem.head_k, problem.head_v, tl_dtype, recompute)(
         kf, w, *sources, gamma, k_norm_inv, segs.seg_info, seg_state
     )

@@ -15,10 +15,10 @@ from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
 from .segment_scan import build_segment_scan
-from .segment_state import build_segment_state
+from .segment_state import build_segment_state, transition_sources
 from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
-from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
+from .tiles import TL_DTYPE, kernel_gate_dtype
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
@@ -82,13 +82,10 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         segs = plan.segments
         capacity = segs.seg_info.shape[0]
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
-        # The transitions take (U, V, A_g) and read U or the other two.
-        if save_states:
-            transition_sources = (prep.u, prep.v, unused_buffer(q.device, q.dtype, (1, 1, CHUNK, CHUNK)))
-        else:
-            transition_sources = (unused_buffer(q.device, q.dtype, (1, 1, dv)), prep.v, prep.a_u)
+        # The transitions read U (saved-state mode) or form it from V and A_g.
+        sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
         build_segment_state(dk, dv, tl_dtype, not save_states)(
-            kf, w, *transition_sources, gamma, k_norm_inv, segs.transition_info, seg_state
+            kf, w, *sources, gamma, k_norm_inv, segs.transition_info, seg_state
         )
         seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
         # Without an initial state the scan is compiled not to read one (any buffer will do).

@@ -23,6 +23,7 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
+from .prepare_wu import unused_buffer
 from .tiles import ACCUM, CHUNK
 
 BLOCK_COLS = 64
@@ -31,6 +32,16 @@ BLOCK_COLS = 64
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, num_stages: int = 2):
     return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, num_stages))
+
+
+def transition_sources(u=None, v=None, a_u=None) -> tuple:
+    """The (U, V, A_g) arguments of ``segment_state``: U for the variant that reads it, or V and
+    A_g for ``form_u``; the ones it does not read are a small unused buffer."""
+    ref = u if u is not None else v
+    dev, dtype, width = ref.device, ref.dtype, ref.shape[-1]
+    return (u if u is not None else unused_buffer(dev, dtype, (1, 1, width)),
+            v if v is not None else unused_buffer(dev, dtype, (1, 1, width)),
+            a_u if a_u is not None else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
 
 
 @tilelang.jit

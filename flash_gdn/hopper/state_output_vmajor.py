@@ -161,28 +161,6 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
                     for vr, i in T.Parallel(head_v, head_k):
                         state_neg[vr, i] = T.cast(-state_t[vr, i], dtype)
                     T.wgmma_gemm(state_neg, k_tile, sk_t, transpose_B=True, clear_accum=True, policy=ROWS)
-                    for i in T.Parallel(CHUNK):
-                        w_col[i] = T.__exp(gamma_s[i]) * k_inv[i]
-                        q_scale[i] = -T.__exp(gamma_s[i]) * scale * q_inv[i]  # minus: out_t holds -S^T Q^T
-                        q_col[i] = scale * q_inv[i]
-                        k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
-                    decay = T.__exp(gamma_last)
-                    T.wait_wgmma(0)
-                    for vr, i in T.Parallel(head_v, CHUNK):
-                        skw_a[vr, i] = T.cast(sk_t[vr, i] * w_col[i], dtype)
-                    T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, policy=ROWS)
-                    T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
-                    # State update as soon as V_new is known (as below).
-                    T.wait_wgmma(1)
-                    if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
-                        sink = v_tile[0, 0] + au_tile[0, 0]
-                    for vr, i in T.Parallel(head_v, CHUNK):
-                        vnw_a[vr, i] = T.cast(vn_t[vr, i] * k_scale[i], dtype)
-                    for vr, i in T.Parallel(head_v, head_k):
-                        state_t[vr, i] = state_t[vr, i] * decay
-                    T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
-                    for vr, i in T.Parallel(head_v, CHUNK):
-                        vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
                 else:
                     # U^T = V^T A_g^T (needs no state: issued first), then the products that need
                     # only S: - S^T W^T into the same accumulator (everything after waits for V_new),
@@ -193,24 +171,37 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
                     T.wgmma_gemm(state_neg, w_tile, vn_t, transpose_B=True, policy=ROWS)
                     T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
-                    # Column factors (fast exp: every argument is <= 0; gamma is constant past the end).
-                    for i in T.Parallel(CHUNK):
-                        q_scale[i] = -T.__exp(gamma_s[i]) * scale * q_inv[i]  # minus: out_t holds -S^T Q^T
-                        q_col[i] = scale * q_inv[i]
-                        k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
-                    decay = T.__exp(gamma_last)
-
-                    # State update as soon as V_new is known: S^T = e^gamma_C S^T + (V_new^T diag(k_scale)) K.
-                    T.wait_wgmma(2)
+                # Column factors while those run (fast exp: every argument is <= 0; gamma is
+                # constant past the end).
+                for i in T.Parallel(CHUNK):
+                    if form_w:
+                        w_col[i] = T.__exp(gamma_s[i]) * k_inv[i]
+                    q_scale[i] = -T.__exp(gamma_s[i]) * scale * q_inv[i]  # minus: out_t holds -S^T Q^T
+                    q_col[i] = scale * q_inv[i]
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+                decay = T.__exp(gamma_last)
+                if form_w:
+                    T.wait_wgmma(0)
+                    for vr, i in T.Parallel(head_v, CHUNK):
+                        skw_a[vr, i] = T.cast(sk_t[vr, i] * w_col[i], dtype)
+                    T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, policy=ROWS)
+                    T.wgmma_gemm(state_neg, q_tile, out_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                    T.wait_wgmma(1)
                     if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                        sink = v_tile[0, 0] + au_tile[0, 0]
+                else:
+                    T.wait_wgmma(2)
+                    if length < 0:  # never: as above
                         sink = w_tile[0, 0] + v_tile[0, 0] + au_tile[0, 0]
-                    for vr, i in T.Parallel(head_v, CHUNK):
-                        vnw_a[vr, i] = T.cast(vn_t[vr, i] * k_scale[i], dtype)
-                    for vr, i in T.Parallel(head_v, head_k):
-                        state_t[vr, i] = state_t[vr, i] * decay
-                    T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
-                    for vr, i in T.Parallel(head_v, CHUNK):
-                        vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
+
+                # State update as soon as V_new is known: S^T = e^gamma_C S^T + (V_new^T diag(k_scale)) K.
+                for vr, i in T.Parallel(head_v, CHUNK):
+                    vnw_a[vr, i] = T.cast(vn_t[vr, i] * k_scale[i], dtype)
+                for vr, i in T.Parallel(head_v, head_k):
+                    state_t[vr, i] = state_t[vr, i] * decay
+                T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
+                for vr, i in T.Parallel(head_v, CHUNK):
+                    vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
 
                 # P^T[j, i] = scale e^(gamma_i - gamma_j) d_q[i] d_k[j] (K Q^T)[j, i] for i >= j.
                 T.wait_wgmma(2)
