@@ -84,7 +84,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
         # The transitions read U (saved-state mode) or form it from V and A_g.
         sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
-        build_segment_state(dk, dv, tl_dtype, not save_states)(
+        build_segment_state(dk, dv, tl_dtype, not save_states, True)(  # wide: a CTA per h or M block
             kf, w, *sources, gamma, k_norm_inv, segs.transition_info, seg_state
         )
         seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
@@ -119,7 +119,7 @@ def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
     if cp:
-        builders += [lambda: build_segment_state(dk, dv, tl_dtype, not save_states),
+        builders += [lambda: build_segment_state(dk, dv, tl_dtype, not save_states, True),
                      lambda: build_segment_scan(dk, dv, has_h0)]
     output_h0 = has_h0 or cp
     if save_states:

@@ -122,6 +122,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             tx = T.get_thread_binding()
             k_ready = T.alloc_barrier(threads)
             v_ready = T.alloc_barrier(threads) if write_u else None
+            if not write_w and not write_u:
+                # The forward's variant (A_g only) needs 34 KB of shared memory: six CTAs per SM
+                # fit if ptxas holds it to 80 registers (from 115; 8 bytes spilled). Measured on
+                # an H200: -8 % against four per SM, -4 % with five (docs/performance.md v10).
+                T.annotate_min_blocks_per_sm(6)
 
             qk_head = head // (num_v_heads // num_qk_heads)
             writes_norms = head % (num_v_heads // num_qk_heads) == 0

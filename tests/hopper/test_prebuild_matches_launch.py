@@ -72,8 +72,9 @@ def _inputs(lengths, hqk, hv, d=128):
     return q, k, v, g, beta, cu, problem
 
 
-# (lengths, hqk, hv): CP on (2/8 x 1x4096: 16 segments' worth of SMs), off (16/64 x 2048+2048).
-ROWS = [([4096], 2, 8), ([2048, 2048], 16, 64)]
+# (lengths, hqk, hv): CP on (2/8 x 1x4096: 16 segments' worth of SMs), off (16/64 x 2048+2048),
+# CP on with one value head per q/k head (16/16 x 1x8192).
+ROWS = [([4096], 2, 8), ([2048, 2048], 16, 64), ([8192], 16, 16)]
 
 
 @pytest.mark.parametrize("lengths, hqk, hv", ROWS)
