@@ -10,7 +10,7 @@ import torch
 
 from ..planning import chunk_capacity
 from ..validation import Problem
-from .context_parallel import segment_chunks_for
+from .context_parallel import segment_chunks_for, wide_transitions
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
@@ -40,8 +40,9 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     gate_dtype = TL_DTYPE[kernel_gate_dtype(g, beta, q.dtype)]
     index_dtype = None if cu_seqlens is None else str(cu_seqlens.dtype).removeprefix("torch.")
     has_h0, cp = initial_state is not None, seg_chunks is not None
-    build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states),
-                   lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states))
+    wide = cp and wide_transitions(tokens, problem.num_seqs, seg_chunks, hv, dk, dv, q.device)
+    build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, wide, save_states),
+                   lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide))
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
     # written; the saved-state kernel reads U and W.
@@ -84,7 +85,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
         # The transitions read U (saved-state mode) or form it from V and A_g.
         sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
-        build_segment_state(dk, dv, tl_dtype, not save_states, True)(  # wide: a CTA per h or M block
+        build_segment_state(dk, dv, tl_dtype, not save_states, wide)(
             kf, w, *sources, gamma, k_norm_inv, segs.transition_info, seg_state
         )
         seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
@@ -112,14 +113,14 @@ def _prepare_outputs(save_states: bool, cp: bool) -> tuple[bool, bool, bool, boo
     return FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
 
 
-def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states):
+def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
     builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp))]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
     if cp:
-        builders += [lambda: build_segment_state(dk, dv, tl_dtype, not save_states, True),
+        builders += [lambda: build_segment_state(dk, dv, tl_dtype, not save_states, wide),
                      lambda: build_segment_scan(dk, dv, has_h0)]
     output_h0 = has_h0 or cp
     if save_states:

@@ -41,7 +41,7 @@ def kernel_builders(head_dim: int, dtype: str):
     # wide: the forward's (a CTA per h or M block); narrow: the backward's (64 columns per CTA).
     builders += [(f"segment_state[{dtype},form_u={fu},wide={wide}]",
                   lambda fu=fu, wide=wide: build_segment_state(d, d, dtype, fu, wide))
-                 for fu, wide in itertools.product((False, True), (False, True))]
+                 for fu, wide in itertools.product((False, True), (False, True) if d == 128 else (False,))]
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
         builders += [(f"segment_scan[init={init},reverse={rev}]", lambda init=init, rev=rev: build_segment_scan(d, d, init, rev))
                      for init, rev in itertools.product((False, True), (False, True))]
