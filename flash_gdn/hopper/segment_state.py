@@ -13,13 +13,14 @@ columns weight it by 0) and ``u`` is not read; without (the saved-state forward,
 ``prepare_wu`` keeps U, and the saved-state backward, which needs only M), U is read and
 ``v``, ``a_u`` are not. One CTA per (block of [h | M] columns, segment, value head); columns
 0..V-1 are h, columns V..V+K-1 are M, one consumer warpgroup per 64 columns of a block.
-``wide`` (the forward): h and M are one block each, so at K = V = 128 two warpgroups share a
-CTA's K and W tiles and its SM (the kernel needs a whole SM either way: 1 CTA per SM), twice
-the columns per CTA on the same per-chunk chain: -25 % at 2/8 and 4/16 value heads
-(docs/performance.md v10). Otherwise (the backward, where the transitions share the GPU with
+``wide`` (the forward, where it saves SM waves: ``context_parallel.wide_transitions``): h and
+M are one block each, so at K = V = 128 two warpgroups share a CTA's K and W tiles and its SM
+(the kernel needs a whole SM either way: 1 CTA per SM), twice the columns per CTA for ~1.45x
+the time: -25 % at 2/8 to 16/16 value heads (docs/performance.md v10). Otherwise (the
+forward's short rows, and the backward, where the transitions share the GPU with
 ``chunk_states`` on a second stream) blocks of 64 columns, one warpgroup each. Both are
-written in fp32 to ``seg_state`` ``[segments, Hv, K, V + K]``. A sequence's last segment needs neither (nothing follows it):
-the plan hands those in empty, and their CTAs write nothing.
+written in fp32 to ``seg_state`` ``[segments, Hv, K, V + K]``. A sequence's last segment
+needs neither (nothing follows it): the plan hands those in empty, and their CTAs write nothing.
 """
 
 import functools

@@ -38,7 +38,8 @@ def kernel_builders(head_dim: int, dtype: str):
     # Outputs (write_inverse, write_u, write_au, write_w): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
-    # wide: the forward's (a CTA per h or M block); narrow: the backward's (64 columns per CTA).
+    # wide (a CTA per h or M block): the forward's where it saves SM waves
+    # (context_parallel.wide_transitions); narrow (64 columns per CTA): the rest and the backward's.
     builders += [(f"segment_state[{dtype},form_u={fu},wide={wide}]",
                   lambda fu=fu, wide=wide: build_segment_state(d, d, dtype, fu, wide))
                  for fu, wide in itertools.product((False, True), (False, True) if d == 128 else (False,))]
