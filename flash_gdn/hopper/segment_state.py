@@ -57,7 +57,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages):
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
     num_segs = T.dynamic("num_segs")
-    block_cols = head_v if wide and head_k % head_v == 0 else 64
+    block_cols = head_v if wide else 64  # (the same at V = 64)
     h_blocks = head_v // block_cols
     threads = 128 * (block_cols // 64)  # consumer warpgroups (TileLang adds the TMA producer's)
     # U, V and A_g have extents of their own: the ones a variant does not read may be any small buffer.
