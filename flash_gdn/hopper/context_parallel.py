@@ -54,7 +54,7 @@ def _override() -> int | None:
     return max(1, int(os.environ["FLASH_GDN_CP_SEGMENT_CHUNKS"]))
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -94,7 +94,7 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     """
     if _overridden():
         return _override()
-    target_segments = _sm_count(device) // num_v_heads
+    target_segments = sm_count(device) // num_v_heads
     if target_segments < TWO_SEGMENTS * num_seqs:
         return None
     if target_segments < THREE_SEGMENTS * num_seqs and not (
@@ -106,6 +106,17 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     if -(-max_chunks // seg_chunks) <= 1:
         return None
     return seg_chunks
+
+
+def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device: torch.device) -> bool:
+    """Whether the output kernel runs as two CTAs per (sequence, value head), one per half of V
+    (``state_output_vmajor``'s ``split_v``): only without CP (with CP the W tiles leave no room
+    for two CTAs per SM), at V = 128, and where the split CTAs still get an SM each. Two split
+    CTAs on one SM take ~1.13x the time of the one CTA they replace (the P^T product and its
+    exponentials done twice), while a split CTA alone on its SM takes ~0.9x (H200: 8/24 x
+    1024+7168 330 -> 306 us, 2/8 x 1024x8 51 -> 45; 16/64 x 8192x4 762 -> 860, 8/32 x 2048x4,
+    128 CTAs, 100 -> 113)."""
+    return not cp and head_v == 128 and 2 * num_seqs * num_v_heads <= sm_count(device)
 
 
 # The forward's transition pass (``segment_state``) comes in two widths, each needing a whole
@@ -126,7 +137,7 @@ def wide_transitions(tokens: int, num_seqs: int, seg_chunks: int, num_v_heads: i
     the token count (exact for one sequence; the host does not see varlen lengths)."""
     if head_v != 2 * NARROW_COLUMNS or head_k != head_v:
         return False  # at 64 columns the two widths are the same kernel
-    sms = _sm_count(device)
+    sms = sm_count(device)
     chunks = -(-tokens // 64)  # C = 64
     transitions = max(0, -(-chunks // seg_chunks) - num_seqs)
     narrow_ctas = transitions * num_v_heads * (head_k + head_v) // NARROW_COLUMNS
@@ -160,7 +171,7 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
     """
     if _overridden():
         return _override()
-    sms = _sm_count(device)
+    sms = sm_count(device)
     ctas = 2 * num_seqs * num_v_heads
     long_sequences = max_chunks >= BACKWARD_LONG_SEQUENCE_CHUNKS * num_seqs
     if not (8 * ctas <= sms or (4 * ctas <= sms and long_sequences)):

@@ -10,7 +10,7 @@ import torch
 
 from ..planning import chunk_capacity
 from ..validation import Problem
-from .context_parallel import segment_chunks_for, wide_transitions
+from .context_parallel import segment_chunks_for, split_output, wide_transitions
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
@@ -41,8 +41,9 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     index_dtype = None if cu_seqlens is None else str(cu_seqlens.dtype).removeprefix("torch.")
     has_h0, cp = initial_state is not None, seg_chunks is not None
     wide = cp and wide_transitions(tokens, problem.num_seqs, seg_chunks, hv, dk, dv, q.device)
-    build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, wide, save_states),
-                   lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide))
+    split = not save_states and split_output(cp, problem.num_seqs, hv, dv, q.device)
+    build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, wide, split, save_states),
+                   lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split))
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
     # written; the saved-state kernel reads U and W.
@@ -70,7 +71,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
             return build_state_output(dk, dv, tl_dtype, has_initial, dv)
         # The state as a register operand (no shared-memory round trip per chunk); W S formed
         # from K and A_g where prepare_wu did not write W.
-        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial, not cp)  # form_w without CP
+        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial, not cp, split_v=split)
 
     if seg_chunks is None:
         final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
@@ -113,7 +114,7 @@ def _prepare_outputs(save_states: bool, cp: bool) -> tuple[bool, bool, bool, boo
     return FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
 
 
-def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide):
+def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
     builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp))]
@@ -126,5 +127,5 @@ def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
     if save_states:
         builders.append(lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv))
     else:
-        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp))
+        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split))
     return builders

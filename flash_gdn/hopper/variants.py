@@ -50,9 +50,11 @@ def kernel_builders(head_dim: int, dtype: str):
     builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
                  for h0 in (False, True)]
     # form_w (W S from K and A_g) without CP; with CP (always an initial state) W is read.
-    builders += [(f"state_output_vmajor[{dtype},h0={h0},form_w={fw}]",
-                  lambda h0=h0, fw=fw: build_state_output_vmajor(d, d, dtype, h0, fw))
-                 for h0, fw in ((False, True), (True, True), (True, False))]
+    # split_v (two CTAs per sequence and head) at V = 128 where W is formed (forward.split_output).
+    builders += [(f"state_output_vmajor[{dtype},h0={h0},form_w={fw},split_v={sv}]",
+                  lambda h0=h0, fw=fw, sv=sv: build_state_output_vmajor(d, d, dtype, h0, fw, split_v=sv))
+                 for h0, fw in ((False, True), (True, True), (True, False))
+                 for sv in sorted({False, fw and d == 128})]
     return builders
 
 

@@ -77,6 +77,19 @@ def test_forward_varlen(state_v_first, index_dtype):
     _check(inputs, cu_seqlens=cu, state_v_first=state_v_first)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_forward_output_split_over_v(monkeypatch, split):
+    from flash_gdn.hopper import forward
+
+    # Both layouts of the output kernel without CP: one CTA per sequence and value head, or two,
+    # one per half of V (context_parallel.split_output picks by SM fill).
+    monkeypatch.setenv("FLASH_GDN_CP", "0")
+    monkeypatch.setattr(forward, "split_output", lambda *args: split)
+    lengths = [1, 0, 64, 300, 5, 63, 129, 0, 1000]
+    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=True)
+    _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"))
+
+
 def test_forward_l2norm_in_kernel():
     _check(_inputs(400, 2, 8, 128, normalize=False), use_qk_l2norm_in_kernel=True)
 

@@ -53,7 +53,7 @@ def recorder(monkeypatch):
             monkeypatch.setattr(module, name, rec.builder(name))
     for module in (forward, backward):
         monkeypatch.setattr(module, "build_together", rec.build_together)
-    monkeypatch.setattr(context_parallel, "_sm_count", lambda device: 132)  # an H200's SMs
+    monkeypatch.setattr(context_parallel, "sm_count", lambda device: 132)  # an H200's SMs
     monkeypatch.setattr(backward, "state_block_v", lambda dv, runs, hv, dev: 64 if runs * hv < 132 else dv)
     monkeypatch.setattr(backward, "CONCURRENT_CHUNK_STATES", False)  # no CUDA streams on the CPU
     monkeypatch.delenv("FLASH_GDN_CP", raising=False)
@@ -73,8 +73,9 @@ def _inputs(lengths, hqk, hv, d=128):
 
 
 # (lengths, hqk, hv): CP on (2/8 x 1x4096: 16 segments' worth of SMs), off (16/64 x 2048+2048),
-# CP on with one value head per q/k head (16/16 x 1x8192).
-ROWS = [([4096], 2, 8), ([2048, 2048], 16, 64), ([8192], 16, 16)]
+# CP on with one value head per q/k head (16/16 x 1x8192), off with the output kernel split
+# over V (8/24 x 1024+7168: 48 CTAs, 96 split).
+ROWS = [([4096], 2, 8), ([2048, 2048], 16, 64), ([8192], 16, 16), ([1024, 7168], 8, 24)]
 
 
 @pytest.mark.parametrize("lengths, hqk, hv", ROWS)
