@@ -113,9 +113,9 @@ def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device:
     (``state_output_vmajor``'s ``split_v``): only without CP (with CP the W tiles leave no room
     for two CTAs per SM), at V = 128, and where the split CTAs still get an SM each. Two split
     CTAs on one SM take ~1.13x the time of the one CTA they replace (the P^T product and its
-    exponentials done twice), while a split CTA alone on its SM takes ~0.9x (H200: 8/24 x
-    1024+7168 330 -> 306 us, 2/8 x 1024x8 51 -> 45; 16/64 x 8192x4 762 -> 860, 8/32 x 2048x4,
-    128 CTAs, 100 -> 113)."""
+    exponentials done twice), while split CTAs with an SM each take ~0.85x (H200, output
+    kernel: 4/16 x 8192x4 380 -> 313 us, 2/8 x 1024x8 51 -> 43, 8/24 x 1024+7168 331 -> 308;
+    sharing SMs: 16/64 x 8192x4 762 -> 860, 8/32 x 2048x4, 128 CTAs, 100 -> 113)."""
     return not cp and head_v == 128 and 2 * num_seqs * num_v_heads <= sm_count(device)
 
 

@@ -38,11 +38,11 @@ pairs them only with output rows past the end, which are not written. Every expo
 
 ``split_v`` (V = 128, ``form_w``; ``context_parallel.split_output`` picks it where the split
 CTAs still get an SM each): two CTAs per sequence and value head, one consumer warpgroup each
-over its half of V, so that twice as many SMs work on an underfilled row (H200: -6 to -12 % of
+over its half of V, so that twice as many SMs work on an underfilled row (H200: -7 to -18 % of
 this kernel there; two split CTAs sharing an SM are 13 % slower than one unsplit CTA, which
 is why the rule keeps them apart). Each CTA forms P^T
 whole (the unsplit CTA's two warpgroups share it); it scales and stores P^T while U^T and
--S^T K^T run, which frees its registers before the next products (ptxas otherwise serialises
+S^T K^T run, which frees its registers before the next products (ptxas otherwise serialises
 the products at the 232 registers a consumer gets with two CTAs per SM), and it stores the
 output from registers straight to HBM (no output tile: 107 KB of shared memory a CTA, two per
 SM need at most 113).
@@ -143,7 +143,8 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
             vn_t = T.alloc_fragment((block_v, CHUNK), ACCUM)  # V_new^T
             vn_a = T.alloc_fragment((block_v, CHUNK), dtype)
             vnw_a = T.alloc_fragment((block_v, CHUNK), dtype)  # V_new^T diag(e^(gamma_C - gamma) d_k)
-            # form_w: -S^T K^T, then its copy weighted by columns, the A operand of the product with A_g^T.
+            # form_w: S^T K^T, then its copy weighted by the (negative) column factors, the A
+            # operand of the product with A_g^T.
             sk_t = T.alloc_fragment((block_v, CHUNK), ACCUM) if form_w else None
             skw_a = T.alloc_fragment((block_v, CHUNK), dtype) if form_w else None
             w_col = T.alloc_shared((CHUNK,), ACCUM) if form_w else None
@@ -197,8 +198,8 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
                 if form_w:
                     # W S without W (DESIGN section 2: W = A_g diag(e^gamma r) K):
                     #   V_new^T = V^T A_g^T - ((S^T K^T) diag(e^gamma r)) A_g^T,
-                    # P^T = K Q^T first (needs nothing), U^T, then -S^T K^T; the second product
-                    # with A_g^T takes the weighted -S^T K^T from registers, and S^T Q^T follows it.
+                    # P^T = K Q^T first (needs nothing), U^T, then S^T K^T; the second product
+                    # with A_g^T takes the weighted S^T K^T from registers, and S^T Q^T follows it.
                     T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(v_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True, policy=ROWS)
                     for vr, i in T.Parallel(block_v, head_k):
@@ -230,7 +231,7 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
                     state_t[vr, i] = state_t[vr, i] * decay
                 if split_v:
                     # One warpgroup holds P^T whole (32 fp32 registers a thread, not 16): it is
-                    # scaled and stored while U^T and -S^T K^T run, so its registers are free
+                    # scaled and stored while U^T and S^T K^T run, so its registers are free
                     # before the products that follow take theirs.
                     T.wait_wgmma(2)
                     scale_p(pt, pt_s, gamma_s, q_col, k_inv, g_col, g_row, qc_col, kinv_row)
