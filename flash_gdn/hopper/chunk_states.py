@@ -21,7 +21,7 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK
+from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,12 +129,7 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
                 # V_new goes out while the state update runs: a whole chunk by one TMA store; a
                 # sequence's last, partial chunk row by row (the rows after it are another sequence's).
-                if length == CHUNK:
-                    T.copy(vn_s, v_new[start:start + CHUNK, head, v0:v0 + block_v])
-                else:
-                    for i, j in T.Parallel(CHUNK, block_v):
-                        if i < length:
-                            v_new[start + i, head, v0 + j] = vn_s[i, j]
+                store_chunk_rows(vn_s, v_new, start, length, head, v0)
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]

@@ -21,7 +21,7 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK, pair_decay
+from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,11 +100,6 @@ def _local_dv_kernel(head_k, head_v, dtype, threads=128):
                         T.tma_copy(do[start:start + CHUNK, head + 1, 0:head_v], do_tile, barrier=do_ready)
                         T.barrier_arrive(do_ready)
                     T.copy(acc, out_s)
-                    if length == CHUNK:  # a whole chunk: one TMA store
-                        T.copy(out_s, dv_local[start:start + CHUNK, head, 0:head_v])
-                    else:  # a sequence's last, partial chunk: the rows after it are another sequence's
-                        for i, j in T.Parallel(CHUNK, head_v):
-                            if i < length:
-                                dv_local[start + i, head, j] = out_s[i, j]
+                    store_chunk_rows(out_s, dv_local, start, length, head, 0)
 
     return local_dv

@@ -25,7 +25,7 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK
+from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,12 +154,7 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
                 T.wgmma_gemm(w_tile, neg_dvn_s, ds, transpose_A=True)
                 # dV_new goes out while the products run: a whole chunk by one TMA store, a
                 # sequence's last, partial chunk row by row.
-                if length == CHUNK:
-                    T.copy(dvn_s, dv_new[start:start + CHUNK, head, v0:v0 + block_v])
-                else:
-                    for i, j in T.Parallel(CHUNK, block_v):
-                        if i < length:
-                            dv_new[start + i, head, v0 + j] = dvn_s[i, j]
+                store_chunk_rows(dvn_s, dv_new, start, length, head, v0)
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for the q, w and dO tiles
                     sink = q_tile[0, 0] + w_tile[0, 0] + do_tile[0, 0]

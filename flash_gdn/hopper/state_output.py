@@ -33,7 +33,7 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK, pair_decay
+from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,12 +155,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 for i, j in T.Parallel(CHUNK, block_v):
                     vn[i, j] = T.Select(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
                 T.copy(vn, vn_s)
-                if length == CHUNK:  # V_new: whole chunks by TMA, a partial last chunk row by row
-                    T.copy(vn_s, v_new[start:start + CHUNK, head, v0:v0 + block_v])
-                else:
-                    for i, j in T.Parallel(CHUNK, block_v):
-                        if i < length:
-                            v_new[start + i, head, v0 + j] = vn_s[i, j]
+                store_chunk_rows(vn_s, v_new, start, length, head, v0)
                 for i, j in T.Parallel(CHUNK, block_v):
                     vn[i, j] = vn[i, j] * k_scale[i]
                 T.copy(vn, vnk_s)
@@ -183,12 +178,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
                 T.wait_wgmma(1)  # the O store overlaps the state update
                 T.copy(out, o_s)
-                if length == CHUNK:  # a whole chunk: one TMA store
-                    T.copy(o_s, o[start:start + CHUNK, head, v0:v0 + block_v])
-                else:  # a sequence's last, partial chunk: the rows after it are another sequence's
-                    for i, j in T.Parallel(CHUNK, block_v):
-                        if i < length:
-                            o[start + i, head, v0 + j] = o_s[i, j]
+                store_chunk_rows(o_s, o, start, length, head, v0)
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]

@@ -57,7 +57,7 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK
+from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 # Every warpgroup owns 64 rows of V in all register-operand products (its rows of S^T stay its own).
 ROWS = T.GemmWarpPolicy.FullRow
@@ -279,12 +279,7 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
                 else:
                     for vr, i in T.Parallel(block_v, CHUNK):
                         o_s[i, vr] = out_t[vr, i]
-                    if length == CHUNK:  # a whole chunk: one TMA store
-                        T.copy(o_s, o[start:start + CHUNK, head, v0:v0 + block_v])
-                    else:  # a sequence's last, partial chunk: the rows after it are another sequence's
-                        for i, vr in T.Parallel(CHUNK, block_v):
-                            if i < length:
-                                o[start + i, head, v0 + vr] = o_s[i, vr]
+                    store_chunk_rows(o_s, o, start, length, head, v0)
 
             for vr, i in T.Parallel(block_v, head_k):
                 final_state[seq, head, i, v0 + vr] = state_t[vr, i]

@@ -34,6 +34,19 @@ def kernel_gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -
 
 
 @T.macro
+def store_chunk_rows(tile, dst, start, length, head, col0):
+    """``dst[start + i, head, col0 + j] = tile[i, j]`` for the chunk's rows i < ``length``: a whole
+    chunk by one TMA store, a sequence's partial last chunk row by row (the rows after it are
+    another sequence's)."""
+    if length == CHUNK:
+        T.copy(tile, dst[start:start + CHUNK, head, col0:col0 + tile.shape[1]])
+    else:
+        for i, j in T.Parallel(CHUNK, tile.shape[1]):
+            if i < length:
+                dst[start + i, head, col0 + j] = tile[i, j]
+
+
+@T.macro
 def blocked_unit_lower_inverse(
     strict: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
     lower_diag: T.SharedBuffer((CHUNK, BLOCK), ACCUM),
