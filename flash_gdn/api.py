@@ -7,13 +7,13 @@ states ``[N, Hv, K, V]`` fp32 (``[N, Hv, V, K]`` with ``state_v_first=True``); w
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from . import dispatch
+from .env import env_get
 from .fla_compat import apply_fla_options
 from .reference.chunked import chunked_forward
 from .validation import Problem, check_flag, check_inputs
@@ -65,13 +65,25 @@ def _choose_path(q: torch.Tensor, problem: Problem) -> str:
     return path
 
 
+def _hopper_forward():
+    """``hopper.forward.hopper_forward``, imported at its first use (it imports TileLang); an
+    import statement in the call path costs microseconds on every call."""
+    global _HOPPER_FORWARD
+    if _HOPPER_FORWARD is None:
+        from .hopper.forward import hopper_forward
+
+        _HOPPER_FORWARD = hopper_forward
+    return _HOPPER_FORWARD
+
+
+_HOPPER_FORWARD = None
+
+
 def _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first, path,
                   save_states=False):
     """Run the chosen implementation without autograd; returns (o, final_state, extras)."""
     if path == dispatch.HOPPER:
-        from .hopper.forward import hopper_forward
-
-        return hopper_forward(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens,
+        return _hopper_forward()(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens,
                               state_v_first, save_states)
     o, final_state = chunked_forward(
         q, k, v, g, beta, problem.scale, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first
@@ -125,7 +137,7 @@ def chunk_gated_delta_rule_bwd(
         raise TypeError(f"saved must be the ForwardSaved returned by chunk_gated_delta_rule_fwd, got {type(saved).__name__}")
     if not isinstance(do, torch.Tensor) or do.shape != saved.v.shape:
         raise ValueError(f"do must be shaped like o {tuple(saved.v.shape)}, got {getattr(do, 'shape', type(do).__name__)}")
-    if saved.path == dispatch.HOPPER and os.environ.get("FLASH_GDN_PORTABLE_BACKWARD") != "1":
+    if saved.path == dispatch.HOPPER and env_get("FLASH_GDN_PORTABLE_BACKWARD") != "1":
         return _hopper_backward(do, dht, saved)
     return _portable_backward(do, dht, saved)
 
@@ -188,7 +200,12 @@ def _needs_grad(*tensors) -> bool:
     raises that it has no jvp instead of returning a zero tangent)."""
     if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
         return True
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # (a loop, not any() over a generator: host time)
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def chunk_gated_delta_rule(

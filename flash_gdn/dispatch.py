@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
+from .env import env_get
 from .validation import Problem
 
 logger = logging.getLogger("flash_gdn")
@@ -37,7 +37,7 @@ def tilelang_available() -> bool:
 
 def hopper_forward_supports(q: torch.Tensor, problem: Problem) -> tuple[bool, str]:
     """Whether the Hopper kernels take this call, and if not, why not."""
-    if os.environ.get("FLASH_GDN_FORCE_PORTABLE", "0") == "1":
+    if env_get("FLASH_GDN_FORCE_PORTABLE", "0") == "1":
         return False, "FLASH_GDN_FORCE_PORTABLE=1"
     if not q.is_cuda:
         return False, f"device {q.device} is not CUDA"

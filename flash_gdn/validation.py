@@ -13,10 +13,11 @@ rows are made of: the full checks cost ~30 us a call on a slow host, the lookup 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+
+from .env import env_get
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -59,7 +60,7 @@ def _wants_value_checks(cu_seqlens: torch.Tensor, validate_cu_seqlens: bool | No
     if cu_seqlens.device.type == "cpu":
         return True
     if validate_cu_seqlens is None:
-        validate_cu_seqlens = os.environ.get("FLASH_GDN_CHECK_CU_SEQLENS", "0") == "1"
+        validate_cu_seqlens = env_get("FLASH_GDN_CHECK_CU_SEQLENS", "0") == "1"
     if not validate_cu_seqlens:
         return False
     return not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -96,7 +97,7 @@ def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first
         return None
     try:
         if cu_seqlens is not None and (cu_seqlens.device.type == "cpu"
-                                       or os.environ.get("FLASH_GDN_CHECK_CU_SEQLENS", "0") == "1"):
+                                       or env_get("FLASH_GDN_CHECK_CU_SEQLENS", "0") == "1"):
             return None
         return (_metadata(q), _metadata(k), _metadata(v), _metadata(g), _metadata(beta), type(scale), scale,
                 _metadata(initial_state), _metadata(cu_seqlens), state_v_first)

@@ -37,14 +37,19 @@ def busy_time_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def eager_time_ms(fn, iters: int) -> float:
-    """Wall-clock per call, calls issued back to back, one synchronisation at the end."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1000.0
+def eager_time_ms(fn, iters: int, repeats: int = 5) -> float:
+    """Wall-clock per call, calls issued back to back, one synchronisation at the end; the
+    median of ``repeats`` such runs (a GPU host's issue time is noisy: one run of the same
+    calls measures up to 2x another on a loaded host)."""
+    runs = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - start) / iters * 1000.0)
+    return sorted(runs)[repeats // 2]
 
 
 def graph_time_ms(fn, iters: int) -> float | None:

@@ -17,10 +17,10 @@ Everything is planned on the device from ``cu_seqlens``; the host only uses shap
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from ..env import env_get
 from ..planning import SegmentPlan
 
 MIN_SEGMENT_CHUNKS = 16
@@ -44,14 +44,14 @@ def num_sms(device_index: int) -> int:
 
 
 def _overridden() -> bool:
-    return os.environ.get("FLASH_GDN_CP", "1") == "0" or bool(os.environ.get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
+    return env_get("FLASH_GDN_CP", "1") == "0" or bool(env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
 
 
 def _override() -> int | None:
     """The environment's choice: None (``FLASH_GDN_CP=0``) or forced chunks per segment."""
-    if os.environ.get("FLASH_GDN_CP", "1") == "0":
+    if env_get("FLASH_GDN_CP", "1") == "0":
         return None
-    return max(1, int(os.environ["FLASH_GDN_CP_SEGMENT_CHUNKS"]))
+    return max(1, int(env_get("FLASH_GDN_CP_SEGMENT_CHUNKS")))
 
 
 def sm_count(device: torch.device) -> int:

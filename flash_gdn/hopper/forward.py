@@ -2,15 +2,23 @@
 
 No host synchronisation: grids are sized from shapes, the chunk map is computed on the
 device (``planning``), and every buffer is allocated here from shapes alone.
+
+Host time matters here: a forward of a short row (2048 tokens) runs for 60-110 us on the GPU,
+and an eager call that takes longer to issue leaves the GPU idle. So the kernels of each
+configuration are resolved once (``forward_kernels``) and the per-call path is arithmetic on
+shapes, the buffers and the launches.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..planning import chunk_capacity
 from ..validation import Problem
 from .context_parallel import segment_chunks_for, split_output, wide_transitions
+from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
@@ -19,6 +27,48 @@ from .segment_state import build_segment_state, transition_sources
 from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
 from .tiles import TL_DTYPE, kernel_gate_dtype
+
+INDEX_DTYPE = {torch.int32: "int32", torch.int64: "int64"}
+
+
+class ForwardKernels(NamedTuple):
+    """The kernels one forward configuration launches (None: not launched)."""
+
+    prepare: Launcher
+    transitions: Launcher | None  # segment_state (context parallelism)
+    scan: Launcher | None  # segment_scan (context parallelism)
+    output: Launcher  # state_output_vmajor, or state_output where the chunk states are saved
+
+
+# Configuration -> its kernels. Each builder is a cached function, but hashing its arguments
+# and the prebuild's lookup cost a few microseconds per kernel and call on a GPU host.
+_KERNELS: dict[tuple, ForwardKernels] = {}
+
+
+def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split) -> ForwardKernels:
+    """The configuration's kernels, compiled together at its first call (``prebuild``)."""
+    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split)
+    kernels = _KERNELS.get(key)
+    if kernels is None:
+        build_together(("forward", *key), lambda: forward_builders(*key))
+        kernels = ForwardKernels(*(None if build is None else build() for build in _kernel_builders(*key)))
+        _KERNELS[key] = kernels
+    return kernels
+
+
+def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split) -> ForwardKernels:
+    """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
+    output_h0 = has_h0 or cp  # with CP every segment starts from a state (the scan's)
+    if save_states:  # writes h and V_new too
+        output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv)  # noqa: E731
+    else:  # the state as a register operand; W S formed from K and A_g where W is not written (no CP)
+        output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split)  # noqa: E731
+    return ForwardKernels(
+        lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp)),
+        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states, wide)) if cp else None,
+        (lambda: build_segment_scan(dk, dv, has_h0)) if cp else None,
+        output,
+    )
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
@@ -29,76 +79,57 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     ``prepared`` (W, gamma, inverse norms, A_r, the chunk plan; U dropped) and every chunk's start
     state ``h`` [chunks, Hv, K, V] and ``v_new`` [tokens, Hv, V] in the input dtype.
     """
-    batch, seq_len = problem.batch, problem.seq_len
+    batch, seq_len, num_seqs = problem.batch, problem.seq_len, problem.num_seqs
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
-    tokens = batch * seq_len
-    tl_dtype = TL_DTYPE[q.dtype]
+    tokens, dtype, dev = batch * seq_len, q.dtype, q.device
     # The L2 norm of q and k (use_l2) is fused: prepare_wu computes the inverse row norms,
     # the state kernels fold them into their row factors.
-    max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
-    seg_chunks = segment_chunks_for(problem.num_seqs, hv, max_chunks, q.device)
-    gate_dtype = TL_DTYPE[kernel_gate_dtype(g, beta, q.dtype)]
-    index_dtype = None if cu_seqlens is None else str(cu_seqlens.dtype).removeprefix("torch.")
+    max_chunks = chunk_capacity(batch, seq_len, num_seqs, cu_seqlens is not None)
+    seg_chunks = segment_chunks_for(num_seqs, hv, max_chunks, dev)
     has_h0, cp = initial_state is not None, seg_chunks is not None
-    wide = cp and wide_transitions(tokens, problem.num_seqs, seg_chunks, hv, dk, dv, q.device)
-    split = not save_states and split_output(cp, problem.num_seqs, hv, dv, q.device)
-    build_together(("forward", dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, wide, split, save_states),
-                   lambda: forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split))
+    wide = cp and wide_transitions(tokens, num_seqs, seg_chunks, hv, dk, dv, dev)
+    split = not save_states and split_output(cp, num_seqs, hv, dv, dev)
+    kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[kernel_gate_dtype(g, beta, dtype)],
+                              None if cu_seqlens is None else INDEX_DTYPE[cu_seqlens.dtype], has_h0, cp, save_states,
+                              wide, split)
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
     # written; the saved-state kernel reads U and W.
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states, cp))
-    qf, kf, gamma = prep.q, prep.k, prep.gamma
-    w = prep.w if prep.w is not None else unused_buffer(q.device, q.dtype, (1, 1, dk))
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states, cp),
+                       kernels.prepare)
+    w = prep.w if prep.w is not None else unused_buffer(dev, dtype, (1, 1, dk))
     # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major).
     u_or_v_au = (prep.u,) if save_states else (prep.v, prep.a_u)
-    q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
-
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
-        h0 = h0.to(torch.float32).contiguous()
-    o = torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device)
+    o = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     saved = ()  # (h, v_new): every chunk's start state and V_new, written for the backward
     if save_states:
-        saved = (torch.empty(plan.chunk_bounds.shape[0], hv, dk, dv, dtype=q.dtype, device=q.device),
-                 torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device))
+        saved = (torch.empty(prep.plan.chunk_bounds.shape[0], hv, dk, dv, dtype=dtype, device=dev),
+                 torch.empty(tokens, hv, dv, dtype=dtype, device=dev))
+    h0 = None
+    if has_h0:
+        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+        h0 = h0.to(torch.float32).contiguous()
 
-    def state_output(has_initial):
-        # Block of all of V: two consumer warpgroups share one sequence and head (faster than
-        # two CTAs of 64 columns even when the GPU is underfilled: 6.1 vs 6.9 us per chunk, H200).
-        if save_states:  # writes h and V_new too
-            return build_state_output(dk, dv, tl_dtype, has_initial, dv)
-        # The state as a register operand (no shared-memory round trip per chunk); W S formed
-        # from K and A_g where prepare_wu did not write W.
-        return build_state_output_vmajor(dk, dv, tl_dtype, has_initial, not cp, split_v=split)
-
-    if seg_chunks is None:
-        final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=q.device)
+    if not cp:
+        final_state = torch.empty(num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
         # Without an initial state the kernel is compiled not to read one (any buffer will do).
-        state_output(has_initial=h0 is not None)(
-            qf, kf, w, *u_or_v_au, gamma, q_norm_inv, k_norm_inv, plan.seq_info, final_state if h0 is None else h0,
-            problem.scale, o, final_state, *saved,
-        )
+        kernels.output(prep.q, prep.k, w, *u_or_v_au, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, prep.plan.seq_info,
+                       final_state if h0 is None else h0, problem.scale, o, final_state, *saved)
     else:
-        segs = plan.segments
+        segs = prep.plan.segments
         capacity = segs.seg_info.shape[0]
-        seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=q.device)
+        seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
         # The transitions read U (saved-state mode) or form it from V and A_g.
         sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
-        build_segment_state(dk, dv, tl_dtype, not save_states, wide)(
-            kf, w, *sources, gamma, k_norm_inv, segs.transition_info, seg_state
-        )
-        seg_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
+        kernels.transitions(prep.k, w, *sources, prep.gamma, prep.k_norm_inv, segs.transition_info, seg_state)
+        seg_states = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
         # Without an initial state the scan is compiled not to read one (any buffer will do).
-        build_segment_scan(dk, dv, h0 is not None)(
-            seg_state, seg_state, segs.seg_meta, seg_init if h0 is None else h0, seg_init
-        )
-        seg_final = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=q.device)
-        state_output(has_initial=True)(
-            qf, kf, w, *u_or_v_au, gamma, q_norm_inv, k_norm_inv, segs.seg_info, seg_init, problem.scale, o, seg_final, *saved
-        )
-        final_state = seg_final[segs.last_seg] if output_final_state else None
+        kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, seg_states)
+        # Each segment's start state in, its end state out, in place: the CTA of a (segment,
+        # head) reads exactly the elements it later writes, and reads them first.
+        kernels.output(prep.q, prep.k, w, *u_or_v_au, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, segs.seg_info,
+                       seg_states, problem.scale, o, seg_states, *saved)
+        final_state = seg_states[segs.last_seg] if output_final_state else None
 
     if output_final_state:
         final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
@@ -117,15 +148,8 @@ def _prepare_outputs(save_states: bool, cp: bool) -> tuple[bool, bool, bool, boo
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
-    builders = [lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp))]
+    builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split)
+                if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
-    if cp:
-        builders += [lambda: build_segment_state(dk, dv, tl_dtype, not save_states, wide),
-                     lambda: build_segment_scan(dk, dv, has_h0)]
-    output_h0 = has_h0 or cp
-    if save_states:
-        builders.append(lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv))
-    else:
-        builders.append(lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split))
     return builders

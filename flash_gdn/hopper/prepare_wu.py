@@ -257,10 +257,11 @@ def unused_buffer(dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...])
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                outputs: tuple[bool, bool, bool, bool] = FORWARD_OUTPUTS) -> Prepared:
+                outputs: tuple[bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
-    write_au, write_w), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token and value head."""
+    write_au, write_w), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token and value head.
+    ``kernel``: the variant for ``outputs``, where the caller has it resolved already."""
     write_inverse, write_u, write_au, write_w = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
@@ -269,8 +270,10 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     qf = q.reshape(tokens, hqk, dk).contiguous()
     kf = k.reshape(tokens, hqk, dk).contiguous()
     vf = v.reshape(tokens, hv, dv).contiguous()
-    gf = g.reshape(tokens, hv).to(gate_dtype).contiguous()
-    bf = beta.reshape(tokens, hv).to(gate_dtype).contiguous()
+    # (a no-op .to costs a dispatch: a few us of host time per call on a GPU host)
+    gf = g.reshape(tokens, hv).contiguous() if g.dtype == gate_dtype else g.reshape(tokens, hv).to(gate_dtype).contiguous()
+    bf = (beta.reshape(tokens, hv).contiguous() if beta.dtype == gate_dtype
+          else beta.reshape(tokens, hv).to(gate_dtype).contiguous())
     plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks)
     num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
@@ -284,8 +287,8 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     gamma, q_norm_inv, k_norm_inv = factors.split_with_sizes((hv, hqk, hqk))
     a_r = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev) if write_inverse
            else unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK)))
-    build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)(
-        kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u
-    )
+    if kernel is None:
+        kernel = build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)
+    kernel(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u)
     return Prepared(plan, qf, kf, vf, bf, w if write_w else None, u if write_u else None, gamma, q_norm_inv, k_norm_inv,
                     a_r if write_inverse else None, a_u if write_au else None)

@@ -242,8 +242,11 @@ def test_saved_chunk_states_match_recomputed(monkeypatch, seg_chunks):
         grads[save] = {name: x.grad for name, x in leaves.items()}
     for name, tol in dict(q=1e-2, k=1e-2, v=1e-2, g=2e-2, beta=2e-2, h0=1e-2).items():
         # The saved states come from the forward's state_output, the recomputed ones from
-        # chunk_states: equal up to bf16 rounding of h (3e-3 measured on dq, H100).
-        assert rel_err(grads[True][name], grads[False][name]) <= 5e-3, name
+        # chunk_states: equal up to bf16 rounding of h (3e-3 measured on dq, H100). dg and
+        # dbeta sum that rounding over whole sequences: 2.6-3.5e-3 over eight seeds, 6.0e-3
+        # once (H200), so half their fp64 tolerance.
+        agree = 1e-2 if name in ("g", "beta") else 5e-3
+        assert rel_err(grads[True][name], grads[False][name]) <= agree, (name, rel_err(grads[True][name], grads[False][name]))
         assert rel_err(grads[True][name], ref[name]) <= tol, name
 
 
