@@ -95,7 +95,8 @@ def _measure(step, graph: bool):
     iters = iterations_for(step)
     result = {
         "kernel_ms": kernel_time_ms(step, iters),
-        "eager_ms": eager_time_ms(step, iters),
+        # (the median of three runs of half the iterations: one run on a busy host is noise)
+        "eager_ms": eager_time_ms(step, max(3, iters // 2), repeats=3),
         "graph_ms": graph_time_ms(step, iters) if graph else None,
     }
     torch.cuda.synchronize()

@@ -37,7 +37,7 @@ def busy_time_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def eager_time_ms(fn, iters: int, repeats: int = 5) -> float:
+def eager_time_ms(fn, iters: int, repeats: int = 3) -> float:
     """Wall-clock per call, calls issued back to back, one synchronisation at the end; the
     median of ``repeats`` such runs (a GPU host's issue time is noisy: one run of the same
     calls measures up to 2x another on a loaded host)."""
