@@ -95,8 +95,7 @@ def _measure(step, graph: bool):
     iters = iterations_for(step)
     result = {
         "kernel_ms": kernel_time_ms(step, iters),
-        # (the median of three runs of half the iterations: one run on a busy host is noise)
-        "eager_ms": eager_time_ms(step, max(3, iters // 2), repeats=3),
+        "eager_ms": eager_time_ms(step, iters),
         "graph_ms": graph_time_ms(step, iters) if graph else None,
     }
     torch.cuda.synchronize()
@@ -142,7 +141,7 @@ def markdown_table(records: list[dict], meta: dict) -> str:
         f"GPU: {meta['gpu']}; torch {meta['torch']}; tilelang {meta['tilelang']}; FLA {meta['fla']}; "
         f"{meta['date']}. Times in ms; kernel = GPU busy time (torch.profiler: the union "
         "of kernel intervals, kernels running concurrently count once); "
-        "eager = wall time per call (calls back to back; the median of three runs); graph = CUDA-graph replay; peak = peak extra CUDA memory of one "
+        "eager = wall time per call (calls back to back, steady state: `timing.eager_time_ms`); graph = CUDA-graph replay; peak = peak extra CUDA memory of one "
         f"step in MiB. Options: use_qk_l2norm_in_kernel={meta.get('l2norm', False)}, "
         f"save_chunk_states={meta.get('save_chunk_states', False)} (ours).",
         "",

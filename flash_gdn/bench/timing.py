@@ -37,19 +37,28 @@ def busy_time_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def eager_time_ms(fn, iters: int, repeats: int = 3) -> float:
-    """Wall-clock per call, calls issued back to back, one synchronisation at the end; the
-    median of ``repeats`` such runs (a GPU host's issue time is noisy: one run of the same
-    calls measures up to 2x another on a loaded host)."""
-    runs = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
+def eager_time_ms(fn, iters: int, repeats: int = 3, sync=None, clock=time.perf_counter) -> float:
+    """Steady-state wall time per call of calls issued back to back (no synchronisation in
+    between): the slope between a run of ``iters // 8`` calls and one of ``iters // 2``, each
+    synchronised before and after, so that what a run pays once (the GPU idle while the first
+    call is issued, the last call's drain, the synchronisation) cancels; the median of
+    ``repeats`` such pairs (the GPU host's issue time is noisy: one run measures up to 2x
+    another). With fewer than 16 iterations, the plain mean of one run of ``iters`` calls."""
+    sync = torch.cuda.synchronize if sync is None else sync
+
+    def run(n: int) -> float:
+        sync()
+        start = clock()
+        for _ in range(n):
             fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - start) / iters * 1000.0)
-    return sorted(runs)[repeats // 2]
+        sync()
+        return clock() - start
+
+    if iters < 16:
+        return run(iters) / iters * 1000.0
+    short, long = iters // 8, iters // 2
+    slopes = sorted((run(long) - run(short)) / (long - short) for _ in range(repeats))
+    return slopes[repeats // 2] * 1000.0
 
 
 def graph_time_ms(fn, iters: int) -> float | None:
