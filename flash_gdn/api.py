@@ -65,6 +65,9 @@ def _choose_path(q: torch.Tensor, problem: Problem) -> str:
     return path
 
 
+_HOPPER_FORWARD = None
+
+
 def _hopper_forward():
     """``hopper.forward.hopper_forward``, imported at its first use (it imports TileLang); an
     import statement in the call path costs microseconds on every call."""
@@ -74,9 +77,6 @@ def _hopper_forward():
 
         _HOPPER_FORWARD = hopper_forward
     return _HOPPER_FORWARD
-
-
-_HOPPER_FORWARD = None
 
 
 def _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first, path,

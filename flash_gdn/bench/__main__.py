@@ -141,7 +141,8 @@ def markdown_table(records: list[dict], meta: dict) -> str:
         f"GPU: {meta['gpu']}; torch {meta['torch']}; tilelang {meta['tilelang']}; FLA {meta['fla']}; "
         f"{meta['date']}. Times in ms; kernel = GPU busy time (torch.profiler: the union "
         "of kernel intervals, kernels running concurrently count once); "
-        "eager = wall time per call (calls back to back, steady state: `timing.eager_time_ms`); graph = CUDA-graph replay; peak = peak extra CUDA memory of one "
+        "eager = wall time per call (calls back to back, steady state: `timing.eager_time_ms`); "
+        "graph = CUDA-graph replay; peak = peak extra CUDA memory of one "
         f"step in MiB. Options: use_qk_l2norm_in_kernel={meta.get('l2norm', False)}, "
         f"save_chunk_states={meta.get('save_chunk_states', False)} (ours).",
         "",

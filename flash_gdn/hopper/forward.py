@@ -59,7 +59,9 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     output_h0 = has_h0 or cp  # with CP every segment starts from a state (the scan's)
-    if save_states:  # writes h and V_new too
+    if save_states:  # writes h and V_new too; a block of all of V (two consumer warpgroups per
+        # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
+        # 6.1 vs 6.9 us per chunk, H200)
         output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv)  # noqa: E731
     else:  # the state as a register operand; W S formed from K and A_g where W is not written (no CP)
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split)  # noqa: E731
