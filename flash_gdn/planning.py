@@ -158,6 +158,7 @@ def _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
 def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
     """``_torch_plan`` in two launches (``hopper.plan_kernels``) instead of 40-100 torch ops."""
     from .hopper.plan_kernels import build_cut_pieces, build_sequence_prefix
+    from .hopper.tiles import TL_DTYPE
 
     varlen = cu_seqlens is not None
     if varlen:
@@ -170,7 +171,7 @@ def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
     seg_meta = torch.empty(num_seqs, 3, dtype=torch.int32, device=device)
     totals = torch.empty(2, dtype=torch.int32, device=device)
     split = seg_chunks if seg_chunks is not None else 1 << 20
-    build_sequence_prefix(str(cu.dtype).removeprefix("torch."))(cu, split, seq_info, seg_meta, totals)
+    build_sequence_prefix(TL_DTYPE[cu.dtype])(cu, split, seq_info, seg_meta, totals)
     bounds = torch.empty(chunks, 2, dtype=torch.int32, device=device)
     segs = 1 if seg_chunks is None else segment_capacity(chunks, num_seqs, seg_chunks)
     seg_info = torch.empty(segs, 3, dtype=torch.int32, device=device)

@@ -226,7 +226,7 @@ def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block
     """Compile the kernels this call launches side by side at their first use (``prebuild``;
     a kernel left out here is still compiled when it first launches)."""
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
-    index_dtype = None if cu_seqlens is None else str(cu_seqlens.dtype).removeprefix("torch.")
+    index_dtype = None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype]
     prepare, recompute = "prepared" not in saved, "h" not in saved
     has_h0, has_dht = h0 is not None, dht is not None
     key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, recompute, cp, has_h0, has_dht, block_v)

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from ..env import env_get
-from ..planning import SegmentPlan
+from ..planning import CHUNK, SegmentPlan
 
 MIN_SEGMENT_CHUNKS = 16
 # Rows of at most this many chunks (one 2048-token sequence and its bound) at up to
@@ -138,7 +138,7 @@ def wide_transitions(tokens: int, num_seqs: int, seg_chunks: int, num_v_heads: i
     if head_v != 2 * NARROW_COLUMNS or head_k != head_v:
         return False  # at 64 columns the two widths are the same kernel
     sms = sm_count(device)
-    chunks = -(-tokens // 64)  # C = 64
+    chunks = -(-tokens // CHUNK)
     transitions = max(0, -(-chunks // seg_chunks) - num_seqs)
     narrow_ctas = transitions * num_v_heads * (head_k + head_v) // NARROW_COLUMNS
     narrow_waves = -(-narrow_ctas // sms)

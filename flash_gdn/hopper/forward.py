@@ -28,9 +28,6 @@ from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
 from .tiles import TL_DTYPE, kernel_gate_dtype
 
-INDEX_DTYPE = {torch.int32: "int32", torch.int64: "int64"}
-
-
 class ForwardKernels(NamedTuple):
     """The kernels one forward configuration launches (None: not launched)."""
 
@@ -92,7 +89,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     wide = cp and wide_transitions(tokens, num_seqs, seg_chunks, hv, dk, dv, dev)
     split = not save_states and split_output(cp, num_seqs, hv, dv, dev)
     kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[kernel_gate_dtype(g, beta, dtype)],
-                              None if cu_seqlens is None else INDEX_DTYPE[cu_seqlens.dtype], has_h0, cp, save_states,
+                              None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype], has_h0, cp, save_states,
                               wide, split)
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not

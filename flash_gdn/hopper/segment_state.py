@@ -33,7 +33,6 @@ from .prepare_wu import unused_buffer
 from .tiles import ACCUM, CHUNK
 
 
-
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, wide: bool = False,
                         num_stages: int = 2):

@@ -12,10 +12,10 @@ direction 1). Per chunk:
 
 The last product's A operand is V_new^T, weighted by columns, again from registers; the state
 update is issued as soon as V_new is known, so P, the output and its store overlap the
-product that the next chunk waits for. Only P^T (8 KB) and the output tile (for its TMA store;
-not with ``split_v``) go through shared memory. U = A_g V is formed here (first product of a chunk, it needs no
-state) rather than read: ``prepare_wu`` then skips V and the U product, and A_g (8 KB per
-chunk and head) replaces U (16 KB) in HBM.
+product that the next chunk waits for. Only P^T (8 KB) and the output tile (for its TMA
+store; not with ``split_v``) go through shared memory. U = A_g V is formed here (first
+product of a chunk, it needs no state) rather than read: ``prepare_wu`` then skips V and the U
+product, and A_g (8 KB per chunk and head) replaces U (16 KB) in HBM.
 
 ``form_w`` (the forward without context parallelism): W is not read either. With
 W = A_g diag(e^gamma r) K (``prepare_wu``; r the inverse key norms),
