@@ -55,11 +55,10 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
             g_s = T.alloc_shared((CHUNK,), accum)
             gamma_s = T.alloc_shared((CHUNK,), accum)
             lower_diag = T.alloc_shared((CHUNK, BLOCK), accum)
+            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF)
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
             diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            off32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            scratch = T.alloc_shared((CHUNK, CHUNK), HALF)
+            left = T.alloc_fragment((CHUNK, CHUNK), HALF)
             column = T.alloc_local((BLOCK,), accum)
             inv = T.alloc_fragment((CHUNK, CHUNK), accum)
             kkt = T.alloc_fragment((CHUNK, CHUNK), accum)
@@ -76,7 +75,7 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, accum))
-                blocked_unit_lower_inverse(kkt, lower_diag, diag16, diag32, off16, off32, scratch, column, inv)
+                blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i < length:

@@ -101,11 +101,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             qqt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM)
+            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF)
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
             diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            off16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            off32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            scratch = T.alloc_shared((CHUNK, CHUNK), HALF)
+            left = T.alloc_fragment((CHUNK, CHUNK), HALF)
             column = T.alloc_local((BLOCK,), ACCUM)
             inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
@@ -158,10 +157,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 # Element-wise work in registers (branch-free selects), fragments to shared memory whole.
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i > j, beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[j], T.cast(0, ACCUM))
-                blocked_unit_lower_inverse(kkt, lower_diag, diag16, diag32, off16, off32, scratch, column, inv)
+                blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
-                    T.copy(inv, scratch)
-                    T.copy(scratch, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
+                    T.copy(inv, diag16)  # free after the first merge
+                    T.copy(diag16, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
 
                 # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
                 # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).

@@ -52,12 +52,11 @@ def store_chunk_rows(tile, dst, start, length, head, col0):
 def blocked_unit_lower_inverse(
     strict: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
     lower_diag: T.SharedBuffer((CHUNK, BLOCK), ACCUM),
+    lower16: T.SharedBuffer((CHUNK, CHUNK), HALF),
     diag16: T.SharedBuffer((CHUNK, CHUNK), HALF),
     diag32: T.SharedBuffer((CHUNK, CHUNK), HALF),
-    off16: T.SharedBuffer((CHUNK, CHUNK), HALF),
-    off32: T.SharedBuffer((CHUNK, CHUNK), HALF),
-    scratch: T.SharedBuffer((CHUNK, CHUNK), HALF),
     column: T.LocalBuffer((BLOCK,), ACCUM),
+    left: T.FragmentBuffer((CHUNK, CHUNK), HALF),
     inv: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
 ):
     """inv = (I + L)^-1 for the strictly lower triangular L held in ``strict`` (registers;
@@ -66,18 +65,19 @@ def blocked_unit_lower_inverse(
     1. The four 16x16 diagonal blocks by forward substitution: thread t < 64 keeps column
        t % 16 of block t // 16 in registers (a dependent chain of 120 FMAs, not 2016). Only
        these blocks of L go to shared memory in fp32 (``lower_diag`` [64, 16], 4 KB).
-    2. Two merges on the tensor cores. For a block lower-triangular [[A, 0], [L21, B]] with
-       known diagonal inverses A^-1, B^-1, the inverse's off-diagonal block is
-       -B^-1 L21 A^-1. With Dn the block-diagonal inverse and Ln the off-diagonal blocks of
-       L at that level: D_{2n} = Dn - Dn (Ln Dn). 16 -> 32, then 32 -> 64.
+    2. Two merges on the tensor cores. For a block lower-triangular [[A, 0], [C, B]] with
+       known diagonal inverses A^-1, B^-1, the inverse's off-diagonal block is -B^-1 C A^-1.
+       With Dn the block-diagonal inverse at size n: D_{2n} = Dn - mask_n((Dn L) Dn), where
+       mask_n keeps the blocks just below Dn's diagonal blocks (rows in an odd block of n,
+       columns in the block before). L enters whole (``lower16``, one fp16 copy for both
+       merges): the blocks of (Dn L) Dn the mask drops are not needed. Both products take
+       their left operand from registers (``left``: Dn, then Dn L, in fp16), so neither
+       goes through shared memory; only Dn itself is stored (the right operand).
     Operands are fp16, accumulation fp32; ``inv`` ends as the fp32 64x64 inverse.
     """
     for i, j in T.Parallel(CHUNK, CHUNK):
+        lower16[i, j] = T.cast(strict[i, j], HALF)
         diag16[i, j] = T.cast(0, HALF)
-        off16[i, j] = T.if_then_else(
-            (i // BLOCK) % 2 == 1 and j // BLOCK == i // BLOCK - 1, T.cast(strict[i, j], HALF), T.cast(0, HALF)
-        )
-        off32[i, j] = T.if_then_else(i >= 2 * BLOCK and j < 2 * BLOCK, T.cast(strict[i, j], HALF), T.cast(0, HALF))
     for i, j in T.Parallel(CHUNK, CHUNK):
         if j // BLOCK == i // BLOCK:
             lower_diag[i, j % BLOCK] = strict[i, j]
@@ -93,14 +93,19 @@ def blocked_unit_lower_inverse(
         for i in T.unroll(BLOCK):
             diag16[base + i, base + col] = T.cast(column[i], HALF)
 
-    T.gemm(off16, diag16, strict, clear_accum=True)
-    T.copy(strict, scratch)
-    T.gemm(diag16, scratch, strict, clear_accum=True)
+    # 16 -> 32: D32 = D16 - mask16((D16 L) D16)
+    T.copy(diag16, left)
+    T.gemm(left, lower16, strict, clear_accum=True)
+    T.copy(strict, left)
+    T.gemm(left, diag16, strict, clear_accum=True)
     for i, j in T.Parallel(CHUNK, CHUNK):
-        diag32[i, j] = T.cast(T.cast(diag16[i, j], ACCUM) - strict[i, j], HALF)
-
-    T.gemm(off32, diag32, strict, clear_accum=True)
-    T.copy(strict, scratch)
-    T.gemm(diag32, scratch, inv, clear_accum=True)
+        inv[i, j] = T.cast(diag16[i, j], ACCUM) - T.Select(
+            (i // BLOCK) % 2 == 1 and j // BLOCK == i // BLOCK - 1, strict[i, j], T.cast(0, ACCUM))
+    T.copy(inv, diag32)
+    T.copy(inv, left)
+    # 32 -> 64: inv = D32 - mask32((D32 L) D32)
+    T.gemm(left, lower16, strict, clear_accum=True)
+    T.copy(strict, left)
+    T.gemm(left, diag32, strict, clear_accum=True)
     for i, j in T.Parallel(CHUNK, CHUNK):
-        inv[i, j] = T.cast(diag32[i, j], ACCUM) - inv[i, j]
+        inv[i, j] = T.cast(diag32[i, j], ACCUM) - T.Select(i >= 2 * BLOCK and j < 2 * BLOCK, strict[i, j], T.cast(0, ACCUM))
