@@ -154,9 +154,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i == j:
                         k_inv[i] = T.if_then_else(normalize != 0, 1 / T.sqrt(kkt[i, j] + 1e-6), T.cast(1, ACCUM))
-                # Element-wise work in registers (branch-free selects), fragments to shared memory whole.
+                # Element-wise work in registers, fragments to shared memory whole. Each select picks
+                # between registers and the shared-memory factors multiply outside it: a select with a
+                # load in an operand compiles to a branch per element (64 for this one loop).
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    kkt[i, j] = T.Select(i > j, beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[j], T.cast(0, ACCUM))
+                    kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
                 blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
                     T.copy(inv, diag16)  # free after the first merge
@@ -166,10 +168,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
                 if write_w:
                     for i, j in T.Parallel(CHUNK, CHUNK):
-                        kkt[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j] * k_inv[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
+                        kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
                     T.copy(kkt, a_w)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    inv[i, j] = T.Select(i >= j, inv[i, j] * beta_s[j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                    inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(inv, a_u)
                 if write_au:  # whole (rows and columns past the chunk's end are zero)
                     T.copy(a_u, a_u_out[chunk_id, head, 0:CHUNK, 0:CHUNK])

@@ -116,14 +116,17 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
 
                 # A_u = A_r diag(beta) with the pair decay, A_w = diag(e^gamma) A_r diag(beta), lower
-                # triangles (above the diagonal the exponent is clamped, tiles.pair_decay, and the select masks).
+                # triangles (above the diagonal the exponent is clamped, tiles.pair_decay, and a 0/1
+                # select masks: a select with a shared-memory load in an operand compiles to a branch
+                # per element).
                 T.mbarrier_wait_parity(ar_ready, 0)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = (T.Select(i >= j, T.cast(ar_h[i, j], ACCUM) * beta_s[j], T.cast(0, ACCUM))
+                    tmp[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j] * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM))
                                  * pair_decay(gamma_s[i], gamma_s[j]))
                 T.copy(tmp, au_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = T.Select(i >= j, T.cast(ar_h[i, j], ACCUM) * beta_s[j], T.cast(0, ACCUM)) * T.__exp(gamma_s[i])
+                    tmp[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j] * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM))
+                                 * T.__exp(gamma_s[i]))
                 T.copy(tmp, aw_s)
                 T.mbarrier_wait_parity(k_ready, 0)
                 for i, d in T.Parallel(CHUNK, head_k):
