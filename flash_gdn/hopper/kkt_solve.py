@@ -74,7 +74,7 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], accum), T.cast(0, accum))
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    kkt[i, j] = T.if_then_else(i > j, beta_s[i] * kkt[i, j], T.cast(0, accum))
+                    kkt[i, j] = T.if_then_else(i > j, kkt[i, j], T.cast(0, accum)) * beta_s[i]  # (no load inside the select: no branch)
                 blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):

@@ -151,9 +151,16 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                     beta_s[tx] = beta_r
                     g_s[tx] = g_r
                 T.cumsum(g_s, gamma_s)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    if i == j:
-                        k_inv[i] = T.if_then_else(normalize != 0, 1 / T.sqrt(kkt[i, j] + 1e-6), T.cast(1, ACCUM))
+                # k_inv shares its shared memory with g_s (TileLang's reuse after the cumsum), and the
+                # 1 / |k| branch's own barrier does not cover the other branch: one barrier for both.
+                T.sync_threads()
+                if normalize != 0:  # (uniform: the diagonal's search, ~100 instructions a thread, only where needed)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        if i == j:
+                            k_inv[i] = 1 / T.sqrt(kkt[i, j] + 1e-6)
+                else:
+                    for i in T.Parallel(CHUNK):
+                        k_inv[i] = T.cast(1, ACCUM)
                 # Element-wise work in registers, fragments to shared memory whole. Each select picks
                 # between registers and the shared-memory factors multiply outside it: a select with a
                 # load in an operand compiles to a branch per element (64 for this one loop).

@@ -76,11 +76,16 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
         out: T.Tensor((num_segs_total, num_v_heads, head_k, head_v), ACCUM),
     ):
         with T.Kernel(num_seqs, head_v // BLOCK_COLS, num_v_heads, threads=threads) as (seq, cb, head):
+            # M_s and off_s do not depend on the state: the next step's arrive by TMA while this
+            # step's products run (one fp32 stage; split into bf16 halves from shared memory).
+            m_f = T.alloc_shared((head_k, head_k), ACCUM)
+            off_f = T.alloc_shared((head_k, BLOCK_COLS), ACCUM)
             m_hi = T.alloc_shared((head_k, head_k), SPLIT)
             m_lo = T.alloc_shared((head_k, head_k), SPLIT)
             s_hi = T.alloc_shared((head_k, BLOCK_COLS), SPLIT)
             s_lo = T.alloc_shared((head_k, BLOCK_COLS), SPLIT)
             state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
+            loaded = T.alloc_barrier(threads)
             first = T.alloc_var("int32")
             count = T.alloc_var("int32")
             seg = T.alloc_var("int32")
@@ -88,6 +93,11 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
 
             first = seg_meta[seq, 0]
             count = seg_meta[seq, 1]
+            if count > 1:  # the first step's operands
+                seg = first + count - 1 if reverse else first
+                T.tma_copy(seg_state[seg, head, 0:head_k, head_v:head_v + head_k], m_f, barrier=loaded)
+                T.tma_copy(offsets[seg, head, 0:head_k, col:col + BLOCK_COLS], off_f, barrier=loaded)
+                T.barrier_arrive(loaded)
             if has_initial:
                 T.copy(init[seq, head, 0:head_k, col:col + BLOCK_COLS], state)
             else:
@@ -95,14 +105,25 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
             T.copy(state, out[first + count - 1 if reverse else first, head, 0:head_k, col:col + BLOCK_COLS])
             for j in T.serial(count - 1):
                 seg = first + count - 1 - j if reverse else first + j  # the segment whose step this is
-                for i, k in T.Parallel(head_k, head_k):  # split while loading (no shared read-back)
-                    m_hi[i, k] = _hi(seg_state[seg, head, i, head_v + k])
-                    m_lo[i, k] = _lo(seg_state[seg, head, i, head_v + k])
                 for i, c in T.Parallel(head_k, BLOCK_COLS):
                     s_hi[i, c] = _hi(state[i, c])
                     s_lo[i, c] = _lo(state[i, c])
+                T.mbarrier_wait_parity(loaded, j % 2)
+                for i, k in T.Parallel(head_k, head_k):
+                    m_hi[i, k] = _hi(m_f[i, k])
+                    m_lo[i, k] = _lo(m_f[i, k])
+                T.copy(off_f, state)
+                # The stage is free: every thread's reads of it are done (barrier), then the proxy
+                # fence orders them before the next step's TMA writes.
+                T.sync_threads()
+                T.fence_proxy_async()
+                if j < count - 2:
+                    T.tma_copy(seg_state[seg - 1 if reverse else seg + 1, head, 0:head_k, head_v:head_v + head_k], m_f,
+                               barrier=loaded)
+                    T.tma_copy(offsets[seg - 1 if reverse else seg + 1, head, 0:head_k, col:col + BLOCK_COLS], off_f,
+                               barrier=loaded)
+                    T.barrier_arrive(loaded)
                 # state <- off + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first; M^T in reverse).
-                T.copy(offsets[seg, head, 0:head_k, col:col + BLOCK_COLS], state)
                 T.gemm(m_lo, s_hi, state, transpose_A=reverse)
                 T.gemm(m_hi, s_lo, state, transpose_A=reverse)
                 T.gemm(m_hi, s_hi, state, transpose_A=reverse)
