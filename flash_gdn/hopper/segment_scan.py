@@ -29,6 +29,10 @@ from .launch import Launcher
 from .tiles import ACCUM
 
 BLOCK_COLS = 32
+# Two warpgroups: both split the step's element-wise work (M's fp32 -> bf16 split, 128 x K per
+# step), and each multiplies 64 rows of M (the products' default would split the 32 columns).
+THREADS = 256
+ROWS = T.GemmWarpPolicy.FullRow
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +57,7 @@ def _lo(x):
 
 
 @tilelang.jit
-def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, threads=128):
+def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, threads=THREADS):
     """Forward: out[first] = init, out[s + 1] = M_s out[s] + off_s (first segment to last).
 
     Reverse, for the backward's state gradient (dS_start = M^T dS_end + b over a segment,
@@ -124,9 +128,9 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
                                barrier=loaded)
                     T.barrier_arrive(loaded)
                 # state <- off + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first; M^T in reverse).
-                T.gemm(m_lo, s_hi, state, transpose_A=reverse)
-                T.gemm(m_hi, s_lo, state, transpose_A=reverse)
-                T.gemm(m_hi, s_hi, state, transpose_A=reverse)
+                T.gemm(m_lo, s_hi, state, transpose_A=reverse, policy=ROWS)
+                T.gemm(m_hi, s_lo, state, transpose_A=reverse, policy=ROWS)
+                T.gemm(m_hi, s_hi, state, transpose_A=reverse, policy=ROWS)
                 T.copy(state, out[seg - 1 if reverse else seg + 1, head, 0:head_k, col:col + BLOCK_COLS])
 
     return segment_scan
