@@ -28,6 +28,7 @@ from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
 from .tiles import TL_DTYPE, kernel_gate_dtype
 
+
 class ForwardKernels(NamedTuple):
     """The kernels one forward configuration launches (None: not launched)."""
 

@@ -26,13 +26,12 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM
+from .tiles import ACCUM, ROWS
 
 BLOCK_COLS = 32
 # Two warpgroups: both split the step's element-wise work (M's fp32 -> bf16 split, 128 x K per
-# step), and each multiplies 64 rows of M (the products' default would split the 32 columns).
+# step), and each multiplies 64 rows of M (ROWS; the products' default would split the 32 columns).
 THREADS = 256
-ROWS = T.GemmWarpPolicy.FullRow
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,10 +57,8 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK, store_chunk_rows
-
-# Every warpgroup owns 64 rows of V in all register-operand products (its rows of S^T stay its own).
-ROWS = T.GemmWarpPolicy.FullRow
+# ROWS: every warpgroup owns 64 rows of V in all register-operand products (its rows of S^T stay its own).
+from .tiles import ACCUM, CHUNK, ROWS, store_chunk_rows
 
 
 @T.macro

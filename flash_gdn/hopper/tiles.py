@@ -16,6 +16,10 @@ ACCUM = "float32"
 BLOCK = 16  # diagonal block of the blocked inverse
 HALF = "float16"  # operand type of the inverse's tensor-core products (3 more mantissa bits than bf16)
 
+# Products split over warpgroups by rows of the output (each warpgroup owns its 64 rows, also in
+# register-operand products), not TileLang's default, which may split the columns.
+ROWS = T.GemmWarpPolicy.FullRow
+
 # torch dtype -> TileLang's name (inputs, gates, and the cu_seqlens index types)
 TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
             torch.int32: "int32", torch.int64: "int64"}
