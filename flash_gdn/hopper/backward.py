@@ -180,8 +180,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     dk_wy = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
     dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+    dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads
     build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[bf.dtype])(
-        kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy
+        kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy, dg
     )
     del a_r
     if not intermediates:
@@ -190,7 +191,6 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     hqk = problem.num_qk_heads
     dq = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
     dk_out = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
-    dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     build_qk_grads(dk, dv, tl_dtype)(
         qf, kf, dof, v_new, h, dh, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, dk_wy, dgamma_wy,
         problem.scale, int(use_l2), dq, dk_out, dg,

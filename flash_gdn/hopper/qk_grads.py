@@ -1,19 +1,29 @@
 """Backward stage 3b (chunk-parallel): dq, dk (summed over the value heads of a group, with
 the L2 norm's backward) and dg.
 
-The spec is ``reference.chunked_backward.chunk_grads_qk`` plus the sum with stage 3a. One
-CTA per (chunk, q/k head); it loops over the value heads that share that q/k head and keeps
-dq and dk in fp32 registers across the loop, so the group reduction happens in the kernel
-(in a fixed order: deterministic). Per value head, from dO, V_new and the chunk's start state
-S = h and end-state gradient dS' = dh (stages 1 and 2), with q and k normalised by their
-inverse norms:
+The spec is ``reference.chunked_backward.chunk_grads_qk`` plus the sum with stage 3a. Two
+CTAs per (chunk, q/k head), one for dq and one for dk; each loops over the value heads that
+share that q/k head and keeps its gradient in fp32 registers across the loop, so the group
+reduction happens in the kernel (in a fixed order: deterministic). Per value head, from dO,
+V_new and the chunk's start state S = h and end-state gradient dS' = dh (stages 1 and 2),
+with q and k normalised by their inverse norms:
 
-    dM = scale dO V_new^T (lower incl. diag),  dQK = Gamma * dM
-    dq += (scale D dO) S^T + dQK K
-    dk += dk_wy + dQK^T Q + E V_new dS'^T
+    dM = scale dO V_new^T (lower incl. diag),  dQK = Gamma * dM        (both CTAs)
+    dq += (scale D dO) S^T + dQK K                                      (dq CTA)
+    dk += dk_wy + dQK^T Q + E V_new dS'^T                               (dk CTA)
     dgamma = dgamma_wy + rows(dM * M) - cols(dM * M) + scale e^gamma_i (Q S)_i . dO_i - de_i,
              de_i = E_i (K dS')_i . V_new_i;  at gamma_C also e^gamma_C <S, dS'> + sum_i de_i
     dg = reverse cumsum of dgamma within the chunk
+
+The dq CTA takes the dgamma terms of M and of S (rows, cols, (Q S) . dO), the dk CTA those of
+dS' and dgamma_wy; each adds the reverse cumsum of its part to dg (zeroed by ``wy_grads``) by
+one atomic add per element: exactly two fp32 adds onto zero, whose result does not depend on
+their order (a + b = b + a), so dg stays deterministic.
+
+The split halves each CTA's registers and shared memory (one 128 x 128 state tile, h or dh;
+<S, dS'> takes S from global memory), so two CTAs fit on an SM and one's products run under
+the other's element-wise phases and loads. The price: both CTAs form dQK (one 64 x 64 x V
+product) and load q, k, dO and V_new.
 
 With ``normalize`` (use_qk_l2norm_in_kernel) the gradient goes back through x_hat = x r,
 r = 1 / sqrt(|x|^2 + eps):  dx = r (dx_hat - (dx_hat . x_hat) x_hat).
@@ -26,12 +36,42 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK, pair_decay
+from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
+
+
+SD_ROWS = 32  # rows of the state per step of <S, dS'>
 
 
 @functools.lru_cache(maxsize=None)
 def build_qk_grads(head_k: int, head_v: int, dtype: str):
     return Launcher(_qk_grads_kernel(head_k, head_v, dtype))
+
+
+@T.macro
+def _add_dg(z_s, zsum_s, dg, start, length, head):
+    """dg[start + i, head] += (reverse cumsum of z_s)[i] for the chunk's rows, one atomic add per
+    row. z_s holds [dgamma (C rows); y (C)]: the reverse cumsum over both halves gives row i
+    sum_{j >= i} dgamma_j + sum_j y_j, i.e. a term added to every row of the chunk comes in as y."""
+    T.cumsum(z_s, zsum_s, reverse=True)
+    for i in T.Parallel(CHUNK):
+        if i < length:
+            T.atomic_add(dg[start + i, head], zsum_s[i])
+
+
+@T.macro
+def _l2_backward_store(grad, tmp, red, dot_s, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
+    """out rows = grad, through the L2 norm's backward when ``normalize``:
+    dx = r (dx_hat - (dx_hat . x_hat) x_hat), x_hat the normalised tile, r its inverse norms.
+    The rows go out through the shared tile ``stage`` (a whole chunk by one TMA store)."""
+    if normalize != 0:
+        for i, d in T.Parallel(CHUNK, grad.shape[1]):
+            tmp[i, d] = grad[i, d] * T.cast(x_tile[i, d], ACCUM)
+        T.reduce_sum(tmp, red, dim=1)
+        T.copy(red, dot_s)
+        for i, d in T.Parallel(CHUNK, grad.shape[1]):
+            grad[i, d] = x_inv[i] * (grad[i, d] - dot_s[i] * T.cast(x_tile[i, d], ACCUM))
+    T.copy(grad, stage)
+    store_chunk_rows(stage, out, start, length, qk_head, 0)
 
 
 @tilelang.jit
@@ -40,7 +80,6 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
-    half_k = head_k // 2
 
     @T.prim_func
     def qk_grads(
@@ -62,50 +101,46 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
         dk: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         dg: T.Tensor((tokens, num_v_heads), ACCUM),
     ):
-        with T.Kernel(num_chunks, num_qk_heads, threads=threads) as (chunk_id, qk_head):
+        # Block x = 2 chunk + role: the dq and dk CTAs of a chunk are neighbours, so they run
+        # together and the second reads of q, k, dO, V_new (and S) hit L2.
+        with T.Kernel(num_chunks * 2, num_qk_heads, threads=threads) as (bx, qk_head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            do_tile = T.alloc_shared((CHUNK, head_v), dtype)
-            vn_tile = T.alloc_shared((CHUNK, head_v), dtype)  # V_new, then (scale D dO)
-            vne_s = T.alloc_shared((CHUNK, head_v), dtype)
-            h_tile = T.alloc_shared((head_k, head_v), dtype)
-            dh_tile = T.alloc_shared((head_k, head_v), dtype)
+            do_tile = T.alloc_shared((CHUNK, head_v), dtype)  # dO, then (scale D dO) in the dq CTA
+            vn_tile = T.alloc_shared((CHUNK, head_v), dtype)  # V_new, then E V_new in the dk CTA
+            st_tile = T.alloc_shared((head_k, head_v), dtype)  # S (dq CTA) or dS' (dk CTA)
             dqk_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
-            dgain = T.alloc_shared((CHUNK,), ACCUM)
-            e_s = T.alloc_shared((CHUNK,), ACCUM)
+            row_f = T.alloc_shared((CHUNK,), ACCUM)  # scale D (dq CTA) or E (dk CTA)
             rows_s = T.alloc_shared((CHUNK,), ACCUM)
             cols_s = T.alloc_shared((CHUNK,), ACCUM)
-            qsdo_s = T.alloc_shared((CHUNK,), ACCUM)
-            de_s = T.alloc_shared((CHUNK,), ACCUM)
-            sd_s = T.alloc_shared((CHUNK,), ACCUM)
-            dgam_s = T.alloc_shared((CHUNK,), ACCUM)
-            dg_s = T.alloc_shared((CHUNK,), ACCUM)
-            dot_s = T.alloc_shared((CHUNK,), ACCUM)
+            dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de
+            sd_s = T.alloc_shared((SD_ROWS,), ACCUM)
+            z_s = T.alloc_shared((2 * CHUNK,), ACCUM)  # [dgamma; y] (_add_dg)
+            zsum_s = T.alloc_shared((2 * CHUNK,), ACCUM)
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dm = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-            red_r = T.alloc_fragment((CHUNK,), ACCUM)
-            red_c = T.alloc_fragment((CHUNK,), ACCUM)
-            red_q = T.alloc_fragment((CHUNK,), ACCUM)
-            red_e = T.alloc_fragment((CHUNK,), ACCUM)
-            red_s = T.alloc_fragment((CHUNK,), ACCUM)
-            red_d = T.alloc_fragment((CHUNK,), ACCUM)
-            dq_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
-            dk_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            red_a = T.alloc_fragment((CHUNK,), ACCUM)
+            red_b = T.alloc_fragment((CHUNK,), ACCUM)
+            red_c = T.alloc_fragment((CHUNK,), ACCUM)  # column sums (another layout than row sums)
+            sd_part = T.alloc_fragment((SD_ROWS, head_v), ACCUM)
+            red_sd = T.alloc_fragment((SD_ROWS,), ACCUM)
+            grad = T.alloc_fragment((CHUNK, head_k), ACCUM)  # dq or dk, summed over the group
             acc_v = T.alloc_fragment((CHUNK, head_k), ACCUM)
-            dkwy_frag = T.alloc_fragment((CHUNK, head_k), ACCUM)
-            part = T.alloc_local((8,), ACCUM)
             start = T.alloc_var("int32")
             qk_ready = T.alloc_barrier(threads)
             vo_ready = T.alloc_barrier(threads)
-            hh_ready = T.alloc_barrier(threads)
+            st_ready = T.alloc_barrier(threads)
             length = T.alloc_var("int32")
             head = T.alloc_var("int32")
             gamma_last = T.alloc_var(ACCUM)
-            total = T.alloc_var(ACCUM)
+            # Two CTAs per SM (under 113 KB of shared memory and 128 registers per thread each).
+            T.annotate_min_blocks_per_sm(2)
 
+            chunk_id = bx // 2
+            role = bx % 2  # 0: dq, 1: dk
             group = num_v_heads // num_qk_heads
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
@@ -119,130 +154,113 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                 for i, d in T.Parallel(CHUNK, head_k):
                     q_tile[i, d] = T.cast(q_tile[i, d] * q_inv[i], dtype)
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
-                T.clear(dq_acc)
-                T.clear(dk_acc)
-                # Q K^T (normalised) is the same for every value head of the group: once, kept in registers.
-                T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                T.clear(grad)
+                if role == 0:
+                    # Q K^T (normalised) is the same for every value head of the group: once, kept in registers.
+                    T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
 
                 for member in T.serial(group):
                     head = qk_head * group + member
-                    # This member's four tiles by TMA, all in flight at once (the previous member's
+                    # This member's three tiles by TMA, all in flight at once (the previous member's
                     # reads of these buffers are finished: barrier, then the proxy fence).
                     T.sync_threads()
                     T.fence_proxy_async()
                     T.tma_copy(do[start:start + CHUNK, head, 0:head_v], do_tile, barrier=vo_ready)
                     T.tma_copy(v_new[start:start + CHUNK, head, 0:head_v], vn_tile, barrier=vo_ready)
-                    T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile, barrier=hh_ready)
-                    T.tma_copy(dh[chunk_id, head, 0:head_k, 0:head_v], dh_tile, barrier=hh_ready)
+                    if role == 0:
+                        T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
+                    else:
+                        T.tma_copy(dh[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
                     T.barrier_arrive(vo_ready)
-                    T.barrier_arrive(hh_ready)
+                    T.barrier_arrive(st_ready)
                     T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
                     gamma_last = gamma_s[length - 1]
                     for i in T.Parallel(CHUNK):
-                        dgain[i] = T.if_then_else(i < length, T.__exp(gamma_s[i]), T.cast(0, ACCUM))
-                        e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
+                        row_f[i] = T.if_then_else(
+                            i < length,
+                            T.if_then_else(role == 0, scale * T.__exp(gamma_s[i]), T.__exp(gamma_last - gamma_s[i])),
+                            T.cast(0, ACCUM),
+                        )
+                    if role == 1:
+                        # dk_wy of this member straight into the accumulator while the tiles arrive.
+                        for i, d in T.Parallel(CHUNK, head_k):
+                            grad[i, d] += T.if_then_else(i < length, dk_wy[start + i, head, d], T.cast(0, ACCUM))
                     T.mbarrier_wait_parity(vo_ready, member % 2)
                     if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
                         for i, j in T.Parallel(CHUNK, head_v):
                             do_tile[i, j] = T.if_then_else(i < length, do_tile[i, j], T.cast(0, dtype))
                             vn_tile[i, j] = T.if_then_else(i < length, vn_tile[i, j], T.cast(0, dtype))
-                    for i, j in T.Parallel(CHUNK, head_v):
-                        vne_s[i, j] = T.cast(T.cast(vn_tile[i, j], ACCUM) * e_s[i], dtype)
 
-                    # dM, dQK and the dgamma terms of M.
+                    # dQK = Gamma * tril(scale dO V_new^T) (in registers; the exponent clamped, tiles.pair_decay).
                     T.gemm(do_tile, vn_tile, dm, transpose_B=True, clear_accum=True)
-                    # dQK = Gamma * tril(scale dM) (in registers; the exponent clamped, tiles.pair_decay),
-                    # then dQK * QK for the dgamma terms.
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         dm[i, j] = T.Select(i >= j, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
                     T.copy(dm, dqk_s)
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        dm[i, j] = dm[i, j] * qk[i, j]
-                    T.reduce_sum(dm, red_r, dim=1)
-                    T.reduce_sum(dm, red_c, dim=0)
-                    T.copy(red_r, rows_s)
-                    T.copy(red_c, cols_s)
-                    # V_new is dead: its tile now holds scale D dO.
-                    for i, j in T.Parallel(CHUNK, head_v):
-                        vn_tile[i, j] = T.cast(T.cast(do_tile[i, j], ACCUM) * (scale * dgain[i]), dtype)
-
-                    # dk_wy for this member in registers now: its loads run under the products below.
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        dkwy_frag[i, d] = T.if_then_else(i < length, dk_wy[start + i, head, d], T.cast(0, ACCUM))
-
-                    # dq += (scale D dO) S^T + dQK K;  dk += dQK^T Q + E V_new dS'^T.  The two state
-                    # terms go through acc_v on their own, because their row dot products with the
-                    # normalised q and k are two dgamma terms (no Q S or K dS' product needed):
-                    #   (Q S)_i . (scale D dO)_i = sum_k Q_ik ((scale D dO) S^T)_ik
-                    #   E_i (K dS')_i . V_new_i   = sum_k K_ik ((E V_new) dS'^T)_ik
-                    T.mbarrier_wait_parity(hh_ready, member % 2)
-                    T.wgmma_gemm(vn_tile, h_tile, acc_v, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(dqk_s, q_tile, dk_acc, transpose_A=True)
-                    T.wait_wgmma(1)
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        dq_acc[i, d] += acc_v[i, d]
-                        acc_v[i, d] = acc_v[i, d] * T.cast(q_tile[i, d], ACCUM)
-                    T.reduce_sum(acc_v, red_q, dim=1)
-                    T.copy(red_q, qsdo_s)
-                    T.wgmma_gemm(dqk_s, k_tile, dq_acc)
-                    T.wgmma_gemm(vne_s, dh_tile, acc_v, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        dk_acc[i, d] += acc_v[i, d] + dkwy_frag[i, d]
-                        acc_v[i, d] = acc_v[i, d] * T.cast(k_tile[i, d], ACCUM)
-                    T.reduce_sum(acc_v, red_e, dim=1)
-                    T.copy(red_e, de_s)
-                    # <S, dS'> in row pairs (r, r + K/2) of a [C, V] fragment (K = 2C or C).
-                    for i, j in T.Parallel(CHUNK, head_v):
-                        acc_v[i, j] = T.if_then_else(
-                            i < half_k,
-                            T.cast(h_tile[i, j], ACCUM) * T.cast(dh_tile[i, j], ACCUM)
-                            + T.cast(h_tile[i + half_k, j], ACCUM) * T.cast(dh_tile[i + half_k, j], ACCUM),
-                            T.cast(0, ACCUM),
-                        )
-                    T.reduce_sum(acc_v, red_s, dim=1)
-                    T.copy(red_s, sd_s)
-                    # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so
-                    # every dg of the chunk (a reverse cumsum) gains X.
-                    # (unrolled in four partial sums: a serial chain of 64 shared loads is ~1 us)
-                    for p in T.unroll(4):
-                        part[p] = T.cast(0, ACCUM)
-                        part[p + 4] = T.cast(0, ACCUM)
-                    for i in T.unroll(CHUNK // 4):
-                        for p in T.unroll(4):
-                            part[p] += sd_s[4 * i + p]
-                            part[p + 4] += de_s[4 * i + p]
-                    total = T.__exp(gamma_last) * ((part[0] + part[1]) + (part[2] + part[3])) + (
-                        (part[4] + part[5]) + (part[6] + part[7])
-                    )
-                    for i in T.Parallel(CHUNK):
-                        dgam_s[i] = T.if_then_else(
-                            i < length,
-                            rows_s[i] - cols_s[i] + qsdo_s[i] - de_s[i] + dgamma_wy[head, chunk_id, i],
-                            T.cast(0, ACCUM),
-                        )
-                    T.cumsum(dgam_s, dg_s, reverse=True)
-                    for i in T.Parallel(CHUNK):
-                        if i < length:
-                            dg[start + i, head] = dg_s[i] + total
+                    if role == 0:
+                        # dgamma terms of M: rows and columns of dQK * QK.
+                        for i, j in T.Parallel(CHUNK, CHUNK):
+                            dm[i, j] = dm[i, j] * qk[i, j]
+                        T.reduce_sum(dm, red_a, dim=1)
+                        T.reduce_sum(dm, red_c, dim=0)
+                        T.copy(red_a, rows_s)
+                        T.copy(red_c, cols_s)
+                        # dO is read: its tile now holds scale D dO.
+                        for i, j in T.Parallel(CHUNK, head_v):
+                            do_tile[i, j] = T.cast(T.cast(do_tile[i, j], ACCUM) * row_f[i], dtype)
+                        # dq += dQK K + (scale D dO) S^T. The state term goes through acc_v on its own:
+                        # its row dot with the normalised q is a dgamma term (no Q S product needed):
+                        #   (Q S)_i . (scale D dO)_i = sum_k Q_ik ((scale D dO) S^T)_ik
+                        T.mbarrier_wait_parity(st_ready, member % 2)
+                        T.wgmma_gemm(dqk_s, k_tile, grad)
+                        T.wgmma_gemm(do_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for i, d in T.Parallel(CHUNK, head_k):
+                            grad[i, d] += acc_v[i, d]
+                            acc_v[i, d] = acc_v[i, d] * T.cast(q_tile[i, d], ACCUM)
+                        T.reduce_sum(acc_v, red_a, dim=1)
+                        T.copy(red_a, dot_s)
+                        for i in T.Parallel(2 * CHUNK):
+                            z_s[i] = T.if_then_else(i < length, rows_s[i % CHUNK] - cols_s[i % CHUNK] + dot_s[i % CHUNK],
+                                                    T.cast(0, ACCUM))
+                        _add_dg(z_s, zsum_s, dg, start, length, head)
+                    else:
+                        # V_new is read: its tile now holds E V_new.
+                        for i, j in T.Parallel(CHUNK, head_v):
+                            vn_tile[i, j] = T.cast(T.cast(vn_tile[i, j], ACCUM) * row_f[i], dtype)
+                        # dk += dQK^T Q + (E V_new) dS'^T; the state term's row dot with the normalised k:
+                        #   E_i (K dS')_i . V_new_i = sum_k K_ik ((E V_new) dS'^T)_ik = de_i
+                        T.mbarrier_wait_parity(st_ready, member % 2)
+                        T.wgmma_gemm(dqk_s, q_tile, grad, transpose_A=True)
+                        T.wgmma_gemm(vn_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for i, d in T.Parallel(CHUNK, head_k):
+                            grad[i, d] += acc_v[i, d]
+                            acc_v[i, d] = acc_v[i, d] * T.cast(k_tile[i, d], ACCUM)
+                        T.reduce_sum(acc_v, red_a, dim=1)
+                        T.copy(red_a, dot_s)
+                        # <S, dS'>: blocks of SD_ROWS rows, S from global memory (the dq CTA beside this
+                        # one loads the same S: an L2 hit), row sums into red_sd.
+                        T.clear(red_sd)
+                        for rb in T.serial(head_k // SD_ROWS):
+                            for i, j in T.Parallel(SD_ROWS, head_v):
+                                sd_part[i, j] = (T.cast(h[chunk_id, head, rb * SD_ROWS + i, j], ACCUM)
+                                                 * T.cast(st_tile[rb * SD_ROWS + i, j], ACCUM))
+                            T.reduce_sum(sd_part, red_sd, dim=1, clear=False)
+                        T.copy(red_sd, sd_s)
+                        # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so every
+                        # dg of the chunk (a reverse cumsum) gains X: it goes in as y (_add_dg).
+                        for i in T.Parallel(2 * CHUNK):
+                            z_s[i] = T.if_then_else(
+                                i < CHUNK,
+                                T.if_then_else(i < length, dgamma_wy[head, chunk_id, i % CHUNK] - dot_s[i % CHUNK], T.cast(0, ACCUM)),
+                                dot_s[i % CHUNK] + T.if_then_else(i % CHUNK < SD_ROWS, T.__exp(gamma_last) * sd_s[i % SD_ROWS], T.cast(0, ACCUM)),
+                            )
+                        _add_dg(z_s, zsum_s, dg, start, length, head)
 
                 # The L2 norm's backward (row factors r = q_inv, k_inv), then the writes.
-                if normalize != 0:
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        acc_v[i, d] = dq_acc[i, d] * T.cast(q_tile[i, d], ACCUM)
-                    T.reduce_sum(acc_v, red_d, dim=1)
-                    T.copy(red_d, dot_s)
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        dq_acc[i, d] = q_inv[i] * (dq_acc[i, d] - dot_s[i] * T.cast(q_tile[i, d], ACCUM))
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        acc_v[i, d] = dk_acc[i, d] * T.cast(k_tile[i, d], ACCUM)
-                    T.reduce_sum(acc_v, red_d, dim=1)
-                    T.copy(red_d, dot_s)
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        dk_acc[i, d] = k_inv[i] * (dk_acc[i, d] - dot_s[i] * T.cast(k_tile[i, d], ACCUM))
-                for i, d in T.Parallel(CHUNK, head_k):
-                    if i < length:
-                        dq[start + i, qk_head, d] = T.cast(dq_acc[i, d], dtype)
-                        dk[start + i, qk_head, d] = T.cast(dk_acc[i, d], dtype)
+                if role == 0:
+                    _l2_backward_store(grad, acc_v, red_a, dot_s, q_tile, q_inv, normalize, do_tile, dq, start, length, qk_head)
+                else:
+                    _l2_backward_store(grad, acc_v, red_a, dot_s, k_tile, k_inv, normalize, do_tile, dk, start, length, qk_head)
 
     return qk_grads

@@ -13,6 +13,7 @@ A_r comes from ``prepare_wu`` (``write_inverse``, fp16); A_u and A_w are rebuilt
 beta and the gates as there (keys normalised by ``k_norm_inv``);
 dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
 group sum follow outside). Rows past the chunk's end: beta = 0 and dV_new = 0 there.
+It also zeroes dg, which ``qk_grads`` then adds to (two atomic adds per element).
 """
 
 import functools
@@ -51,6 +52,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
         dk_wy: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
         dbeta: T.Tensor((tokens, num_v_heads), ACCUM),
         dgamma_wy: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        dg: T.Tensor((tokens, num_v_heads), ACCUM),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
@@ -200,6 +202,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 for i in T.Parallel(CHUNK):
                     if i < length:
                         dbeta[start + i, head] = lrow_s[i] + xcol_s[i]
+                        dg[start + i, head] = T.cast(0, ACCUM)  # qk_grads adds its two parts
                     dgamma_wy[head, chunk_id, i] = rows_s[i] - cols_s[i]
 
     return wy_grads
