@@ -123,7 +123,6 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dm = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             red_a = T.alloc_fragment((CHUNK,), ACCUM)
-            red_b = T.alloc_fragment((CHUNK,), ACCUM)
             red_c = T.alloc_fragment((CHUNK,), ACCUM)  # column sums (another layout than row sums)
             sd_part = T.alloc_fragment((SD_ROWS, head_v), ACCUM)
             red_sd = T.alloc_fragment((SD_ROWS,), ACCUM)
