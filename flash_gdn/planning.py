@@ -84,9 +84,10 @@ class ChunkPlan(NamedTuple):
 
 
 def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-             seg_chunks: int | None = None) -> ChunkPlan:
+             seg_chunks: int | None = None, seg_target: int = 0) -> ChunkPlan:
     """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given; with
-    ``seg_chunks``, also its segments of that many chunks (``ChunkPlan.segments``).
+    ``seg_chunks``, also its segments of that many chunks (``ChunkPlan.segments``), or of
+    more where ``seg_target`` asks (``balanced_segment_chunks``: lengths seen on the device).
 
     Without ``cu_seqlens`` the map depends on the shape alone and is built once per
     (B, T, device, seg_chunks) and reused (no torch ops on later calls) - except during
@@ -97,12 +98,12 @@ def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: 
     device = torch.device(device)
     capturing = _capturing(device)
     if cu_seqlens is None and not capturing:
-        return _batch_plan(batch, seq_len, _canonical(device), seg_chunks)
+        return _batch_plan(batch, seq_len, _canonical(device), seg_chunks, seg_target)
     if device.type == "cuda":
         if capturing or cu_seqlens.device.type != "cuda":
-            return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
-        return _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
-    return _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+            return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
+        return _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
+    return _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
 
 
 # Varlen plans of the last few CUDA cu_seqlens tensors: every GDN layer of a model's forward
@@ -131,31 +132,31 @@ def _current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
+def _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0) -> ChunkPlan:
     try:
         version = cu_seqlens._version
     except RuntimeError:  # an inference tensor
-        return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+        return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
     key = (version, cu_seqlens.data_ptr(), cu_seqlens.shape, cu_seqlens.dtype, batch, seq_len, device, seg_chunks,
-           _current_stream(device))
+           seg_target, _current_stream(device))
     for ref, entry_key, plan in _RECENT_PLANS:
         if ref() is cu_seqlens and entry_key == key:
             return plan
-    plan = _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks)
+    plan = _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
     _RECENT_PLANS.insert(0, (weakref.ref(cu_seqlens), key, plan))
     del _RECENT_PLANS[RECENT_PLANS_KEPT:]
     return plan
 
 
-def _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
+def _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0) -> ChunkPlan:
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device)
     plan = plan_chunks(cu, chunk_capacity(batch, seq_len, cu.numel() - 1, True))
     if seg_chunks is None:
         return plan
-    return plan._replace(segments=_plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks))
+    return plan._replace(segments=_plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target))
 
 
-def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
+def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0) -> ChunkPlan:
     """``_torch_plan`` in two launches (``hopper.plan_kernels``) instead of 40-100 torch ops."""
     from .hopper.plan_kernels import build_cut_pieces, build_sequence_prefix
     from .hopper.tiles import TL_DTYPE
@@ -169,15 +170,15 @@ def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks) -> ChunkPlan:
     chunks = chunk_capacity(batch, seq_len, num_seqs, varlen)
     seq_info = torch.empty(num_seqs, 3, dtype=torch.int32, device=device)
     seg_meta = torch.empty(num_seqs, 3, dtype=torch.int32, device=device)
-    totals = torch.empty(2, dtype=torch.int32, device=device)
+    totals = torch.empty(3, dtype=torch.int32, device=device)  # chunks, segments, chunks per segment
     split = seg_chunks if seg_chunks is not None else 1 << 20
-    build_sequence_prefix(TL_DTYPE[cu.dtype])(cu, split, seq_info, seg_meta, totals)
+    target = seg_target if seg_chunks is not None else 0
+    build_sequence_prefix(TL_DTYPE[cu.dtype])(cu, split, target, seq_info, seg_meta, totals)
     bounds = torch.empty(chunks, 2, dtype=torch.int32, device=device)
     segs = 1 if seg_chunks is None else segment_capacity(chunks, num_seqs, seg_chunks)
     seg_info = torch.empty(segs, 3, dtype=torch.int32, device=device)
     transition_info = torch.empty(segs, 3, dtype=torch.int32, device=device)
-    build_cut_pieces()(seq_info, seg_meta, totals, split, int(seg_chunks is not None), bounds, seg_info,
-                       transition_info)
+    build_cut_pieces()(seq_info, seg_meta, totals, int(seg_chunks is not None), bounds, seg_info, transition_info)
     if seg_chunks is None:
         return ChunkPlan(bounds, seq_info)
     max_segs = _max_segs(batch, seq_len, num_seqs, varlen, chunks, seg_chunks)
@@ -196,12 +197,12 @@ def _canonical(device) -> torch.device:
 
 
 @functools.lru_cache(maxsize=64)
-def _batch_plan(batch: int, seq_len: int, device: torch.device, seg_chunks: int | None) -> ChunkPlan:
+def _batch_plan(batch: int, seq_len: int, device: torch.device, seg_chunks: int | None, seg_target: int = 0) -> ChunkPlan:
     cu = packed_cu_seqlens(batch, seq_len, None, device)
     plan = plan_chunks(cu, chunk_capacity(batch, seq_len, batch, False))
     if seg_chunks is None:
         return plan
-    return plan._replace(segments=_batch_segments(batch, seq_len, device, seg_chunks))
+    return plan._replace(segments=_batch_segments(batch, seq_len, device, seg_chunks, seg_target))
 
 
 class _Pieces(NamedTuple):
@@ -243,33 +244,71 @@ def plan_chunks(cu: torch.Tensor, num_chunks: int, chunk: int = CHUNK) -> ChunkP
 
 
 def segment_capacity(max_chunks: int, num_seqs: int, seg_chunks: int) -> int:
-    """An upper bound on the number of segments: sum_n max(1, ceil(chunks_n / s)) <= ceil(C / s) + N."""
+    """An upper bound on the number of segments: sum_n max(1, ceil(chunks_n / s)) <= ceil(C / s) + N
+    (also for the longer segments ``balanced_segment_chunks`` may choose)."""
     return -(-max_chunks // seg_chunks) + num_seqs
 
 
+def num_segments(chunk_counts, seg_chunks: int) -> int:
+    """Segments of ``seg_chunks`` chunks over sequences of ``chunk_counts`` chunks (an empty
+    sequence keeps one)."""
+    return sum(max(1, -(-c // seg_chunks)) for c in chunk_counts)
+
+
+def balanced_segment_chunks(chunk_counts, seg_chunks: int, seg_target: int) -> int:
+    """Chunks per segment for sequences of ``chunk_counts`` chunks: the least s >= ``seg_chunks``
+    that cuts them into at most ``seg_target`` segments, or ``seg_chunks`` itself where
+    ``seg_target`` is 0 or below the number of sequences.
+
+    The host sizes segments from shapes, as if the tokens were spread evenly; each sequence
+    is cut separately, so unequal lengths give up to N - 1 more segments than the even
+    split, and the output pass (a CTA per segment and value head, sized for one wave) spills
+    into a second wave: 16/32 x 28672+4096 at 129 chunks: 4 + 1 segments, 160 CTAs on 132
+    SMs. At 150 the same sequences take 3 + 1. The device planner (``plan_kernels``) does the
+    same search on the lengths it reads; this is its reference and the torch path's rule.
+    """
+    counts = list(chunk_counts)
+    if seg_target <= 0 or len(counts) > seg_target:
+        return seg_chunks
+    lo, hi = seg_chunks, max([seg_chunks, *counts])  # at hi every sequence is one segment
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if num_segments(counts, mid) <= seg_target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-                  seg_chunks: int) -> SegmentPlan:
-    """Split every sequence into segments of ``seg_chunks`` chunks (the last one shorter), on the device.
+                  seg_chunks: int, seg_target: int = 0) -> SegmentPlan:
+    """Split every sequence into segments of ``seg_chunks`` chunks (the last one shorter), or of
+    ``balanced_segment_chunks(.., seg_target)`` (a ``cu_seqlens`` on the CPU then: its lengths
+    are read), with torch ops.
 
     Built once per shape and reused when there is no ``cu_seqlens``.
     """
     if cu_seqlens is None and not _capturing(device):
-        return _batch_segments(batch, seq_len, _canonical(device), seg_chunks)
-    return _plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks)
+        return _batch_segments(batch, seq_len, _canonical(device), seg_chunks, seg_target)
+    return _plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
 
 
 @functools.lru_cache(maxsize=64)
-def _batch_segments(batch: int, seq_len: int, device: torch.device, seg_chunks: int) -> SegmentPlan:
-    return _plan_segments(batch, seq_len, None, device, seg_chunks)
+def _batch_segments(batch: int, seq_len: int, device: torch.device, seg_chunks: int, seg_target: int = 0) -> SegmentPlan:
+    return _plan_segments(batch, seq_len, None, device, seg_chunks, seg_target)
 
 
 def _plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-                   seg_chunks: int) -> SegmentPlan:
+                   seg_chunks: int, seg_target: int = 0) -> SegmentPlan:
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device).to(torch.int64)
     num_seqs = cu.numel() - 1
     varlen = cu_seqlens is not None
     max_chunks = chunk_capacity(batch, seq_len, num_seqs, varlen)
     capacity = segment_capacity(max_chunks, num_seqs, seg_chunks)
+    if seg_target:  # lengths from the shape, or read from a host cu_seqlens (the CPU path)
+        counts = ([-(-seq_len // CHUNK)] * batch if not varlen
+                  else [-(-(b - a) // CHUNK) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+        seg_chunks = balanced_segment_chunks(counts, seg_chunks, seg_target)
     # A sequence's chunks are numbered consecutively, so segment j starts at chunk
     # first_chunk(sequence) + j * seg_chunks. Empty sequences keep one (empty) segment.
     segs = _cut(cu, seg_chunks * CHUNK, capacity, min_per_seq=1)

@@ -65,8 +65,8 @@ def main(specs, backward_too=True, where=False):
     patches.append(mock.patch.object(backward, "num_sms", lambda i: 132))
     # (through the cache of recent cu_seqlens plans, as on a GPU: the counted call is a repeat)
     patches.append(mock.patch.object(planning, "_current_stream", lambda d: 0))
-    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None: planning._recent_device_plan(b, t, cu, d, s)
-                                     if cu is not None else planning._batch_plan(b, t, d, s)))
+    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None, st=0: planning._recent_device_plan(b, t, cu, d, s, st)
+                                     if cu is not None else planning._batch_plan(b, t, d, s, st)))
     for p in patches:
         p.start()
     for spec in specs:

@@ -1,8 +1,11 @@
 """The device-side chunk map: every token in exactly one chunk, chunks aligned to their sequence."""
 
+import random
+
+import pytest
 import torch
 
-from flash_gdn.planning import chunk_capacity, plan_for
+from flash_gdn.planning import balanced_segment_chunks, chunk_capacity, num_segments, plan_for
 
 
 def test_varlen_chunks_cover_every_token_once():
@@ -27,17 +30,21 @@ def test_fixed_length_batch_is_exact():
     assert plan.seq_info[:, 2].tolist() == [0, 2, 4]
 
 
-def test_segments_tile_every_sequence_in_order():
+@pytest.mark.parametrize("seg_target", [0, 12])
+def test_segments_tile_every_sequence_in_order(seg_target):
     from flash_gdn.planning import plan_segments
 
     lengths = [1, 0, 64, 300, 5, 1000]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     chunk_plan = plan_for(1, sum(lengths), cu, torch.device("cpu"))
-    segs = plan_segments(1, sum(lengths), cu, torch.device("cpu"), seg_chunks=2)
+    segs = plan_segments(1, sum(lengths), cu, torch.device("cpu"), seg_chunks=2, seg_target=seg_target)
+    # 15 segments of 2 chunks; the target of 12 takes segments of 3 (1 + 1 + 1 + 2 + 1 + 6)
+    seg_tokens = 64 * (3 if seg_target else 2)
+    assert int(segs.num_segs.sum()) == (12 if seg_target else 15)
     info = segs.seg_info.long()
     for n, length in enumerate(lengths):
         first, count = int(segs.first_seg[n]), int(segs.num_segs[n])
-        assert count == max(1, -(-length // 128))
+        assert count == max(1, -(-length // seg_tokens))
         assert count <= segs.max_segs
         pieces = info[first:first + count]
         assert int(pieces[0, 0]) == int(cu[n]) and int(pieces[-1, 1]) == int(cu[n + 1])
@@ -77,9 +84,9 @@ def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
 
     built = []
 
-    def device_plan(batch, seq_len, cu, device, seg_chunks):
+    def device_plan(batch, seq_len, cu, device, seg_chunks, seg_target=0):
         built.append(cu)
-        return planning._torch_plan(batch, seq_len, cu, torch.device("cpu"), seg_chunks)
+        return planning._torch_plan(batch, seq_len, cu, torch.device("cpu"), seg_chunks, seg_target)
 
     stream = ["s0"]
     monkeypatch.setattr(planning, "_device_plan", device_plan)
@@ -90,6 +97,7 @@ def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
     first = planning._recent_device_plan(1, 300, cu, dev, None)
     assert planning._recent_device_plan(1, 300, cu, dev, None) is first and len(built) == 1
     assert planning._recent_device_plan(1, 300, cu, dev, 2) is not first  # other segments
+    assert planning._recent_device_plan(1, 300, cu, dev, 2, 4) is not planning._recent_device_plan(1, 300, cu, dev, 2)
     assert planning._recent_device_plan(1, 300, cu.clone(), dev, None) is not first  # other tensor, same values
     stream[0] = "s1"
     assert planning._recent_device_plan(1, 300, cu, dev, None) is not first  # other stream
@@ -108,3 +116,30 @@ def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
     planning._recent_device_plan(1, 300, frozen, dev, None)
     assert len(built) == count + 2  # no version counter: never reused
     assert len(planning._RECENT_PLANS) <= planning.RECENT_PLANS_KEPT
+
+
+def test_balanced_segments_are_the_shortest_that_fit_the_target():
+    """Unequal sequences cut at the host's even length need up to N - 1 more segments than the
+    target (one wave of the output pass); the balanced length is the least one at or above the
+    host's that fits, checked against every length."""
+    assert balanced_segment_chunks([448, 64], 129, 4) == 150  # 16/32 x 28672+4096 on 132 SMs
+    assert balanced_segment_chunks([256, 256], 103, 5) == 128  # 8/24 x 16384+16384
+    assert balanced_segment_chunks([384, 128], 129, 4) == 129  # fits already: unchanged
+    assert balanced_segment_chunks([448, 64], 129, 0) == 129  # no target: as given
+    assert balanced_segment_chunks([5, 5, 5], 2, 2) == 2  # more sequences than the target: as given
+    rng = random.Random(0)
+    for _ in range(300):
+        counts = [rng.choice([0, 1, rng.randint(0, 300)]) for _ in range(rng.randint(1, 6))]
+        low, target = rng.randint(1, 40), rng.randint(1, 30)
+        got = balanced_segment_chunks(counts, low, target)
+        fits = [s for s in range(low, max([low, *counts]) + 1) if num_segments(counts, s) <= target]
+        assert got == (fits[0] if len(counts) <= target else low)
+
+
+def test_batch_segments_follow_the_target():
+    from flash_gdn.planning import plan_segments
+
+    # two sequences of 256 chunks at 103 chunks per segment: 3 + 3 segments; a target of 5 takes 128
+    segs = plan_segments(2, 256 * 64, None, torch.device("cpu"), seg_chunks=103, seg_target=5)
+    assert segs.num_segs.tolist() == [2, 2]
+    assert segs.seg_info[:4, 1].tolist() == [128 * 64, 256 * 64, 384 * 64, 512 * 64]

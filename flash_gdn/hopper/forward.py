@@ -17,7 +17,7 @@ import torch
 
 from ..planning import chunk_capacity
 from ..validation import Problem
-from .context_parallel import segment_chunks_for, split_output, wide_transitions
+from .context_parallel import segment_chunks_for, segment_target, split_output, wide_transitions
 from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
@@ -96,7 +96,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
     # written; the saved-state kernel reads U and W.
     prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states, cp),
-                       kernels.prepare)
+                       kernels.prepare, segment_target(hv, dev) if cp else 0)
     w = prep.w if prep.w is not None else unused_buffer(dev, dtype, (1, 1, dk))
     # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major).
     u_or_v_au = (prep.u,) if save_states else (prep.v, prep.a_u)

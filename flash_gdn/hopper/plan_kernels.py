@@ -3,9 +3,11 @@
 The torch-op version in ``planning`` (the reference, and the CPU path) dispatches 40-100
 operators per varlen call; each costs host time on the hot path. Here:
 
-1. ``sequence_prefix`` (one CTA): per sequence its chunk count and segment count, and their
-   exclusive prefix sums (each thread sums a run of sequences, one thread scans the runs,
-   each thread walks its run again writing ``seq_info`` and ``seg_meta``), plus the totals.
+1. ``sequence_prefix`` (one CTA): the segment length (``planning.balanced_segment_chunks``:
+   the least s >= ``seg_chunks`` giving at most ``seg_target`` segments, from the lengths in
+   ``cu``), per sequence its chunk count and segment count, and their exclusive prefix sums
+   (each thread sums a run of sequences, one thread scans the runs, each thread walks its run
+   again writing ``seq_info`` and ``seg_meta``), plus the totals and the segment length.
 2. ``cut_pieces`` (one CTA per sequence, one more for the tail): every chunk's and segment's
    bounds; the extra CTA zeroes the slots past the totals (unused capacity: start == end).
 
@@ -22,6 +24,9 @@ from .launch import Launcher
 CHUNK = 64
 PREFIX_THREADS = 256
 CUT_THREADS = 128
+# Rounds of the segment-length search: each narrows the range of candidates by PREFIX_THREADS
+# (one candidate per thread), so four cover any chunk count below 256^4.
+SEARCH_ROUNDS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,13 +48,22 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
     def sequence_prefix(
         cu: T.Tensor((num_offsets,), index_dtype),
         seg_chunks: T.int32,
+        seg_target: T.int32,
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         seg_meta: T.Tensor((num_seqs, 3), "int32"),
-        totals: T.Tensor((2,), "int32"),
+        totals: T.Tensor((3,), "int32"),
     ):
         with T.Kernel(1, threads=threads):
             tx = T.get_thread_binding()
             runs = T.alloc_shared((2, threads), "int32")
+            seg_len = T.alloc_var("int32")
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            step = T.alloc_var("int32")
+            candidate = T.alloc_var("int32")
+            count = T.alloc_var("int32")
+            failing = T.alloc_var("int32")
+            base = T.alloc_var("int32")
             chunks_acc = T.alloc_var("int32")
             segs_acc = T.alloc_var("int32")
             length = T.alloc_var("int32")
@@ -59,6 +73,31 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
             carry_s = T.alloc_var("int32")
             per_thread = T.ceildiv(num_seqs, threads)
 
+            # The segment length: the least s in [seg_chunks, hi] with at most seg_target
+            # segments (at hi, the whole row's chunks, every sequence is one segment, so the
+            # search runs only when that is within the target). The segment count falls as s
+            # grows, so thread t tries lo + t * step and the failing candidates are a prefix:
+            # their count (syncthreads_count) brackets the answer for the next round.
+            seg_len = seg_chunks
+            if seg_target >= num_seqs:
+                lo = seg_chunks
+                hi = T.max(seg_chunks, T.ceildiv(T.cast(cu[num_seqs] - cu[0], "int32"), CHUNK))
+                for _ in T.serial(SEARCH_ROUNDS):
+                    step = T.ceildiv(hi - lo, threads)
+                    candidate = T.min(lo + tx * step, hi)
+                    count = 0
+                    for n in T.serial(num_seqs):
+                        count += T.max(1, T.ceildiv(T.ceildiv(T.cast(cu[n + 1] - cu[n], "int32"), CHUNK), candidate))
+                    failing = T.syncthreads_count(count > seg_target)
+                    # Candidate `failing` passes (hi if every candidate failed: hi passes), the one
+                    # before it fails (and lies below hi, since hi passes).
+                    base = lo
+                    if failing < threads:
+                        hi = T.min(base + failing * step, hi)
+                    if failing > 0:
+                        lo = base + (failing - 1) * step + 1
+                seg_len = hi
+
             chunks_acc = 0
             segs_acc = 0
             for i in T.serial(per_thread):
@@ -67,7 +106,7 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
                     length = T.cast(cu[n + 1] - cu[n], "int32")
                     n_chunks = T.ceildiv(length, CHUNK)
                     chunks_acc += n_chunks
-                    segs_acc += T.max(1, T.ceildiv(n_chunks, seg_chunks))
+                    segs_acc += T.max(1, T.ceildiv(n_chunks, seg_len))
             runs[0, tx] = chunks_acc
             runs[1, tx] = segs_acc
             T.sync_threads()
@@ -83,6 +122,7 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
                     carry_s += n_segs
                 totals[0] = carry_c
                 totals[1] = carry_s
+                totals[2] = seg_len
             T.sync_threads()
             chunks_acc = runs[0, tx]
             segs_acc = runs[1, tx]
@@ -91,7 +131,7 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
                 if n < num_seqs:
                     length = T.cast(cu[n + 1] - cu[n], "int32")
                     n_chunks = T.ceildiv(length, CHUNK)
-                    n_segs = T.max(1, T.ceildiv(n_chunks, seg_chunks))
+                    n_segs = T.max(1, T.ceildiv(n_chunks, seg_len))
                     seq_info[n, 0] = T.cast(cu[n], "int32")
                     seq_info[n, 1] = T.cast(cu[n + 1], "int32")
                     seq_info[n, 2] = chunks_acc
@@ -114,8 +154,7 @@ def _cut_pieces_kernel(threads=CUT_THREADS):
     def cut_pieces(
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         seg_meta: T.Tensor((num_seqs, 3), "int32"),
-        totals: T.Tensor((2,), "int32"),
-        seg_chunks: T.int32,
+        totals: T.Tensor((3,), "int32"),
         with_segments: T.int32,
         chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
         seg_info: T.Tensor((num_segs, 3), "int32"),
@@ -130,6 +169,8 @@ def _cut_pieces_kernel(threads=CUT_THREADS):
             count = T.alloc_var("int32")
             seg_start = T.alloc_var("int32")
             seg_end = T.alloc_var("int32")
+            seg_chunks = T.alloc_var("int32")
+            seg_chunks = totals[2]  # chunks per segment (sequence_prefix's choice)
             seg_tokens = seg_chunks * CHUNK
             if seq < num_seqs:
                 start = seq_info[seq, 0]

@@ -272,8 +272,10 @@ def _gate_rows(x: torch.Tensor, tokens: int, hv: int, gate_dtype: torch.dtype) -
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                outputs: tuple[bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None) -> Prepared:
-    """Plan the chunks (and segments of ``seg_chunks`` chunks, for context parallelism) and
+                outputs: tuple[bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
+                seg_target: int = 0) -> Prepared:
+    """Plan the chunks (and segments of ``seg_chunks`` chunks or more, at most ``seg_target`` of
+    them where lengths allow: ``planning.balanced_segment_chunks``; for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
     write_au, write_w), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token and value head.
     ``kernel``: the variant for ``outputs``, where the caller has it resolved already."""
@@ -286,7 +288,7 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     kf = k.reshape(tokens, hqk, dk).contiguous()
     vf = v.reshape(tokens, hv, dv).contiguous()
     gf, bf = _gate_rows(g, tokens, hv, gate_dtype), _gate_rows(beta, tokens, hv, gate_dtype)
-    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks)
+    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target)
     num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))

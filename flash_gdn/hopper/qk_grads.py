@@ -59,6 +59,17 @@ def _add_dg(z_s, zsum_s, dg, start, length, head):
 
 
 @T.macro
+def _add_state_term(grad, acc_v, x_tile, red, dot_s):
+    """grad += acc_v (the state product), and dot_s = the row dots of acc_v with the normalised
+    x_tile: sum_k X_ik acc_v_ik, the dgamma term of that product (acc_v is overwritten)."""
+    for i, d in T.Parallel(CHUNK, grad.shape[1]):
+        grad[i, d] += acc_v[i, d]
+        acc_v[i, d] = acc_v[i, d] * T.cast(x_tile[i, d], ACCUM)
+    T.reduce_sum(acc_v, red, dim=1)
+    T.copy(red, dot_s)
+
+
+@T.macro
 def _l2_backward_store(grad, tmp, red, dot_s, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
     """out rows = grad, through the L2 norm's backward when ``normalize``:
     dx = r (dx_hat - (dx_hat . x_hat) x_hat), x_hat the normalised tile, r its inverse norms.
@@ -213,11 +224,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.wgmma_gemm(dqk_s, k_tile, grad)
                         T.wgmma_gemm(do_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
-                        for i, d in T.Parallel(CHUNK, head_k):
-                            grad[i, d] += acc_v[i, d]
-                            acc_v[i, d] = acc_v[i, d] * T.cast(q_tile[i, d], ACCUM)
-                        T.reduce_sum(acc_v, red_a, dim=1)
-                        T.copy(red_a, dot_s)
+                        _add_state_term(grad, acc_v, q_tile, red_a, dot_s)
                         for i in T.Parallel(2 * CHUNK):
                             z_s[i] = T.if_then_else(i < length, rows_s[i % CHUNK] - cols_s[i % CHUNK] + dot_s[i % CHUNK],
                                                     T.cast(0, ACCUM))
@@ -232,11 +239,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.wgmma_gemm(dqk_s, q_tile, grad, transpose_A=True)
                         T.wgmma_gemm(vn_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
-                        for i, d in T.Parallel(CHUNK, head_k):
-                            grad[i, d] += acc_v[i, d]
-                            acc_v[i, d] = acc_v[i, d] * T.cast(k_tile[i, d], ACCUM)
-                        T.reduce_sum(acc_v, red_a, dim=1)
-                        T.copy(red_a, dot_s)
+                        _add_state_term(grad, acc_v, k_tile, red_a, dot_s)
                         # <S, dS'>: blocks of SD_ROWS rows, S from global memory (the dq CTA beside this
                         # one loads the same S: an L2 hit), row sums into red_sd.
                         T.clear(red_sd)
