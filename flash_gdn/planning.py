@@ -90,7 +90,7 @@ def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: 
     more where ``seg_target`` asks (``balanced_segment_chunks``: lengths seen on the device).
 
     Without ``cu_seqlens`` the map depends on the shape alone and is built once per
-    (B, T, device, seg_chunks) and reused (no torch ops on later calls) - except during
+    (B, T, device, seg_chunks, seg_target) and reused (no torch ops on later calls) - except during
     CUDA-graph capture, where ops are recorded, not run, so nothing may be cached. With
     ``cu_seqlens`` on a CUDA device the map of a recently seen, unmodified tensor is reused
     (``_recent_device_plan``).
