@@ -36,6 +36,8 @@ SHORT_MIN_SEGMENT_CHUNKS = 8
 TWO_SEGMENTS, THREE_SEGMENTS = 2, 3
 FEW_SEQUENCES = 2
 LONG_SEQUENCE_CHUNKS = 128
+# ... or for two packed sequences (cu_seqlens) averaging at least PACKED_PAIR_CHUNKS chunks.
+PACKED_PAIR_CHUNKS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +60,8 @@ def sm_count(device: torch.device) -> int:
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
+def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device,
+                       varlen: bool = False) -> int | None:
     """Chunks per segment, or None when context parallelism would not help.
 
     The output pass runs one CTA per segment and value head: aim at about one CTA per SM,
@@ -87,7 +90,12 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     -> 0.88; losses: 8/24 x 16384+16384 0.91 -> 1.01, 16/64 x 1x8192 0.502 -> 0.512); with
     shorter ones it wins on unequal lengths and loses on equal ones (8/32 x 6144+2048 0.344
     -> 0.287, 1024+7168 0.386 -> 0.366; 4096+4096 0.260 -> 0.283, 16/64 x 1x2048 0.137 ->
-    0.166), and is left off.
+    0.166), and is left off - except for two packed sequences (``varlen``): with segments
+    balanced on the device (v14, ``segment_target``) a pair of unequal ones gains more than an
+    equal pair loses (H200, forward kernel time, rule off -> CP on: 16/32 x 1024+7168 0.343 ->
+    0.273, 2048+6144 0.296 -> 0.252, 6144+2048 0.300 -> 0.252, 4096+4096 0.211 -> 0.251; 8/24
+    x 1024+7168 0.350 -> 0.247, 2048+6144 and 6144+2048 0.302 -> 0.252, 4096+4096 0.209 ->
+    0.216). Without cu_seqlens the sequences are known to be equal, so it stays off there.
     The segment lengths are set from shapes only (no host synchronisation), so with varlen
     every sequence is cut at the same length: long ones into several segments, short ones
     not at all (their transition pass is skipped: nothing follows a sequence's last segment).
@@ -97,8 +105,9 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     target_segments = sm_count(device) // num_v_heads
     if target_segments < TWO_SEGMENTS * num_seqs:
         return None
+    packed_pair = varlen and num_seqs == 2 and max_chunks >= PACKED_PAIR_CHUNKS * num_seqs
     if target_segments < THREE_SEGMENTS * num_seqs and not (
-            num_seqs <= FEW_SEQUENCES and max_chunks >= LONG_SEQUENCE_CHUNKS * num_seqs):
+            num_seqs <= FEW_SEQUENCES and max_chunks >= LONG_SEQUENCE_CHUNKS * num_seqs or packed_pair):
         return None
     short = max_chunks <= SHORT_ROW_CHUNKS and num_v_heads <= SHORT_MAX_V_HEADS
     shortest = SHORT_MIN_SEGMENT_CHUNKS if short else MIN_SEGMENT_CHUNKS

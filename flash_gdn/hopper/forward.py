@@ -85,7 +85,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # The L2 norm of q and k (use_l2) is fused: prepare_wu computes the inverse row norms,
     # the state kernels fold them into their row factors.
     max_chunks = chunk_capacity(batch, seq_len, num_seqs, cu_seqlens is not None)
-    seg_chunks = segment_chunks_for(num_seqs, hv, max_chunks, dev)
+    seg_chunks = segment_chunks_for(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
     has_h0, cp = initial_state is not None, seg_chunks is not None
     wide = cp and wide_transitions(tokens, num_seqs, seg_chunks, hv, dk, dv, dev)
     split = not save_states and split_output(cp, num_seqs, hv, dv, dev)

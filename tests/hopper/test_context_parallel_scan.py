@@ -60,7 +60,10 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(8, 8, 520, dev) is None  # 2/8 x 4096x8: two each, many sequences
     assert cp.segment_chunks_for(1, 64, 513, dev) == 257  # 16/64 x 1x32768: two, one long sequence
     assert cp.segment_chunks_for(2, 32, 514, dev) == 129  # 8/32 x 28672+4096 and the like
-    assert cp.segment_chunks_for(2, 32, 130, dev) is None  # 8/32 x 4096+4096: two short ones
+    assert cp.segment_chunks_for(2, 32, 130, dev) is None  # 8/32 x 8192 tokens in two equal sequences (B = 2)
+    assert cp.segment_chunks_for(2, 32, 130, dev, varlen=True) == 33  # two packed ones: mostly unequal
+    assert cp.segment_chunks_for(2, 32, 66, dev, varlen=True) is None  # ... averaging under 64 chunks
+    assert cp.segment_chunks_for(4, 32, 260, dev, varlen=True) is None  # more than two
     assert cp.segment_chunks_for(1, 64, 33, dev) is None  # 16/64 x 1x2048
     assert cp.segment_chunks_for(1, 8, 8, dev) is None  # a single segment
     monkeypatch.setenv("FLASH_GDN_CP", "0")
