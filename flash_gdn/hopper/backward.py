@@ -30,7 +30,7 @@ import torch
 from ..planning import chunk_capacity, segment_capacity
 from ..validation import Problem
 from .chunk_states import build_chunk_states
-from .context_parallel import backward_segment_chunks_for, backward_segment_target, num_sms
+from .context_parallel import backward_segment_chunks_for, num_sms, segment_target
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
@@ -85,7 +85,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
     prep = saved.get("prepared") or run_prepare(
         q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, BACKWARD_OUTPUTS,
-        seg_target=backward_segment_target(hv, dev) if seg_chunks is not None else 0)
+        seg_target=segment_target(2 * hv, dev) if seg_chunks is not None else 0)  # two CTAs per segment and head
     qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.a_u, prep.gamma, prep.a_r
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     del prep

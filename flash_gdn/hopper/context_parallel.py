@@ -117,13 +117,14 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     return seg_chunks
 
 
-def segment_target(num_v_heads: int, device: torch.device) -> int:
-    """The most segments the forward's output pass runs in one wave (a CTA per segment and
-    value head), for ``planning.balanced_segment_chunks``: the device planner lengthens the
-    segments of ``segment_chunks_for`` where unequal sequences would need more (measured
-    before, H200 forward kernel time: 16/32 x 28672+4096 1.22 ms, 160 CTAs, against 0.85 for
-    24576+8192, 128). 0 (segments as given) when the environment forces their length."""
-    return 0 if _overridden() else sm_count(device) // num_v_heads
+def segment_target(ctas_per_segment: int, device: torch.device) -> int:
+    """The most segments a pass of ``ctas_per_segment`` CTAs per segment runs in one wave (the
+    forward's output pass: Hv; the backward's sequential stages: 2 Hv), for
+    ``planning.balanced_segment_chunks``: the device planner lengthens the segments of
+    ``segment_chunks_for`` where unequal sequences would need more (measured before, H200
+    forward kernel time: 16/32 x 28672+4096 1.22 ms, 160 CTAs, against 0.85 for 24576+8192,
+    128). 0 (segments as given) when the environment forces their length."""
+    return 0 if _overridden() else sm_count(device) // ctas_per_segment
 
 
 def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device: torch.device) -> bool:
@@ -166,11 +167,6 @@ def wide_transitions(tokens: int, num_seqs: int, seg_chunks: int, num_v_heads: i
 
 BACKWARD_MIN_SEGMENT_CHUNKS = 16
 BACKWARD_LONG_SEQUENCE_CHUNKS = 256
-
-
-def backward_segment_target(num_v_heads: int, device: torch.device) -> int:
-    """``segment_target`` for the backward's sequential stages (two CTAs per segment and value head)."""
-    return 0 if _overridden() else sm_count(device) // (2 * num_v_heads)
 
 
 def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
