@@ -138,33 +138,6 @@ def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device:
     return not cp and head_v == 128 and 2 * num_seqs * num_v_heads <= sm_count(device)
 
 
-# The forward's transition pass (``segment_state``) comes in two widths, each needing a whole
-# SM per CTA: narrow (a 64-column block of [h | M] per CTA, one consumer warpgroup; four CTAs
-# per segment and value head at K = V = 128) and wide (h and M a CTA each, two warpgroups).
-# A wide CTA does twice the columns in WIDE_CTA_TIME times a narrow one's time (H200, equal
-# segments, waves counted: 2/8 x 1x32768 4 narrow waves 157 us, 2 wide 117 us -> 1.49;
-# 4/16 and 16/16 x 1x8192 1.48, 1.46; 32/32 x 1x16384 1.42).
-WIDE_CTA_TIME = 1.45
-NARROW_COLUMNS = 64
-
-
-def wide_transitions(tokens: int, num_seqs: int, seg_chunks: int, num_v_heads: int, head_k: int, head_v: int,
-                     device: torch.device) -> bool:
-    """Whether the forward's transitions run wide: when that takes fewer waves' worth of time.
-    With fewer narrow CTAs than SMs (short rows), narrow wins: measured 2/8 x 1x4096 and 8/24
-    x 1x2048 8 % slower forwards with wide transitions. The segment count is estimated from
-    the token count (exact for one sequence; the host does not see varlen lengths)."""
-    if head_v != 2 * NARROW_COLUMNS or head_k != head_v:
-        return False  # at 64 columns the two widths are the same kernel
-    sms = sm_count(device)
-    chunks = -(-tokens // CHUNK)
-    transitions = max(0, -(-chunks // seg_chunks) - num_seqs)
-    narrow_ctas = transitions * num_v_heads * (head_k + head_v) // NARROW_COLUMNS
-    narrow_waves = -(-narrow_ctas // sms)
-    wide_waves = -(-narrow_ctas // (2 * sms))
-    return WIDE_CTA_TIME * wide_waves < narrow_waves
-
-
 BACKWARD_MIN_SEGMENT_CHUNKS = 16
 BACKWARD_LONG_SEQUENCE_CHUNKS = 256
 

@@ -17,7 +17,7 @@ import torch
 
 from ..planning import chunk_capacity
 from ..validation import Problem
-from .context_parallel import segment_chunks_for, segment_target, split_output, wide_transitions
+from .context_parallel import segment_chunks_for, segment_target, split_output
 from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
@@ -43,9 +43,9 @@ class ForwardKernels(NamedTuple):
 _KERNELS: dict[tuple, ForwardKernels] = {}
 
 
-def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split) -> ForwardKernels:
+def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split) -> ForwardKernels:
     """The configuration's kernels, compiled together at its first call (``prebuild``)."""
-    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split)
+    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split)
     kernels = _KERNELS.get(key)
     if kernels is None:
         build_together(("forward", *key), lambda: forward_builders(*key))
@@ -54,7 +54,7 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
     return kernels
 
 
-def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split) -> ForwardKernels:
+def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     output_h0 = has_h0 or cp  # with CP every segment starts from a state (the scan's)
     if save_states:  # writes h and V_new too; a block of all of V (two consumer warpgroups per
@@ -65,7 +65,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split)  # noqa: E731
     return ForwardKernels(
         lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp)),
-        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states, wide)) if cp else None,
+        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states)) if cp else None,
         (lambda: build_segment_scan(dk, dv, has_h0)) if cp else None,
         output,
     )
@@ -87,11 +87,10 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     max_chunks = chunk_capacity(batch, seq_len, num_seqs, cu_seqlens is not None)
     seg_chunks = segment_chunks_for(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
     has_h0, cp = initial_state is not None, seg_chunks is not None
-    wide = cp and wide_transitions(tokens, num_seqs, seg_chunks, hv, dk, dv, dev)
     split = not save_states and split_output(cp, num_seqs, hv, dv, dev)
     kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[kernel_gate_dtype(g, beta, dtype)],
                               None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype], has_h0, cp, save_states,
-                              wide, split)
+                              split)
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
     # written; the saved-state kernel reads U and W.
@@ -145,10 +144,10 @@ def _prepare_outputs(save_states: bool, cp: bool) -> tuple[bool, bool, bool, boo
     return FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
 
 
-def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split=False):
+def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
-    builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, wide, split)
+    builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split)
                 if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]

@@ -9,18 +9,23 @@ as a left multiplication:
 so h is the recurrence run from S = 0 with the real U, and M the same recurrence run from
 S = I with U = 0. With ``form_u`` (the forward, and the backward when it recomputes), U =
 A_g V is formed here from V and ``prepare_wu``'s A_g (one 64x64x64 product beside W S; the M
-columns weight it by 0) and ``u`` is not read; without (the saved-state forward, whose
+columns skip it) and ``u`` is not read; without (the saved-state forward, whose
 ``prepare_wu`` keeps U, and the saved-state backward, which needs only M), U is read and
-``v``, ``a_u`` are not. One CTA per (block of [h | M] columns, segment, value head); columns
-0..V-1 are h, columns V..V+K-1 are M, one consumer warpgroup per 64 columns of a block.
-``wide`` (the forward, where it saves SM waves: ``context_parallel.wide_transitions``): h and
-M are one block each, so at K = V = 128 two warpgroups share a CTA's K and W tiles and its SM
-(the kernel needs a whole SM either way: 1 CTA per SM), twice the columns per CTA for ~1.45x
-the time: -25 % at 2/8 to 16/16 value heads (docs/performance.md v10). Otherwise (the
-forward's short rows, and the backward, where the transitions share the GPU with
-``chunk_states`` on a second stream) blocks of 64 columns, one warpgroup each. Both are
-written in fp32 to ``seg_state`` ``[segments, Hv, K, V + K]``. A sequence's last segment
-needs neither (nothing follows it): the plan hands those in empty, and their CTAs write nothing.
+``v``, ``a_u`` are not. One CTA per (block of 64 [h | M] columns, segment, value head);
+columns 0..V-1 are h, columns V..V+K-1 are M, written in fp32 to ``seg_state``
+``[segments, Hv, K, V + K]``. A sequence's last segment needs neither (nothing follows it):
+the plan hands those in empty, and their CTAs write nothing.
+
+V-major, as ``state_output_vmajor``: with X a block of [h | M], the CTA holds X^T [64, K] in
+fp32 registers and feeds its bf16 copy to wgmma as the A operand, so neither X nor
+U - W X goes through shared memory:
+
+    (U - W X)^T = U^T - X^T W^T,     X^T <- e^gamma_C X^T + ((U - W X)^T diag(e^(gamma_C - gamma) r)) K
+
+Shared memory is the pipeline's K, W, V (or U) and A_g tiles (96 KB at K = 128), so two CTAs
+share an SM; measured against the earlier kernel that staged X and U - W X in shared memory
+(one CTA per SM, and a two-warpgroup variant for 128 columns), H200: 2/8 x 1x32768 119 ->
+97 us, 8/32 x 1x32768 430 -> 308 (docs/performance.md v16).
 """
 
 import functools
@@ -30,13 +35,12 @@ import tilelang.language as T
 
 from .launch import Launcher
 from .prepare_wu import unused_buffer
-from .tiles import ACCUM, CHUNK
+from .tiles import ACCUM, CHUNK, ROWS
 
 
 @functools.lru_cache(maxsize=None)
-def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, wide: bool = False,
-                        num_stages: int = 2):
-    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages))
+def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, num_stages: int = 2):
+    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, num_stages))
 
 
 def transition_sources(u=None, v=None, a_u=None) -> tuple:
@@ -50,15 +54,14 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 
 @tilelang.jit
-def _segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages):
+def _segment_state_kernel(head_k, head_v, dtype, form_u, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
     num_segs = T.dynamic("num_segs")
-    block_cols = head_v if wide else 64  # (the same at V = 64)
+    block_cols = 64  # one consumer warpgroup (TileLang adds the TMA producer's)
     h_blocks = head_v // block_cols
-    threads = 128 * (block_cols // 64)  # consumer warpgroups (TileLang adds the TMA producer's)
     # U, V and A_g have extents of their own: the ones a variant does not read may be any small buffer.
     u_tokens, u_heads = T.dynamic("u_tokens"), T.dynamic("u_heads")
     v_tokens, v_heads = T.dynamic("v_tokens"), T.dynamic("v_heads")
@@ -77,7 +80,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages):
         seg_state: T.Tensor((num_segs, num_v_heads, head_k, head_v + head_k), ACCUM),
     ):
         # Segments on grid x (up to 2^31 - 1), not y/z (65535).
-        with T.Kernel(num_segs, h_blocks + head_k // block_cols, num_v_heads, threads=threads) as (seg, cb, head):
+        with T.Kernel(num_segs, h_blocks + head_k // block_cols, num_v_heads, threads=128) as (seg, cb, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
             u_tile = T.alloc_shared((CHUNK, block_cols), dtype)  # U, or V with form_u
@@ -85,11 +88,10 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages):
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
-            state_s = T.alloc_shared((head_k, block_cols), dtype)
-            vn_s = T.alloc_shared((CHUNK, block_cols), dtype)
-            state = T.alloc_fragment((head_k, block_cols), ACCUM)
-            vn = T.alloc_fragment((CHUNK, block_cols), ACCUM)
-            u_acc = T.alloc_fragment((CHUNK, block_cols), ACCUM) if form_u else None
+            state_t = T.alloc_fragment((block_cols, head_k), ACCUM)  # X^T
+            state_a = T.alloc_fragment((block_cols, head_k), dtype)  # -X^T, the A operand of - X^T W^T
+            vn_t = T.alloc_fragment((block_cols, CHUNK), ACCUM)  # (U - W X)^T
+            vnw_a = T.alloc_fragment((block_cols, CHUNK), dtype)  # its columns weighted, the A operand of the update
             qk_head = T.alloc_var("int32")
             seg_start = T.alloc_var("int32")
             seg_end = T.alloc_var("int32")
@@ -99,10 +101,10 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages):
             gamma_last = T.alloc_var(ACCUM)
             decay = T.alloc_var(ACCUM)
             sink = T.alloc_var(dtype)
-            # M blocks load U (or V and A_g) tiles they never use (weight 0): one pipeline for both.
-            if wide:  # the registers go to the consumers (two warpgroups hold a 128-column state)
-                T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc(240)
+            # 96 KB of shared memory (K = 128): two CTAs per SM.
+            T.annotate_min_blocks_per_sm(2)
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(232)
 
             u_col = T.min(cb, h_blocks - 1) * block_cols
             m_col = (cb - h_blocks) * block_cols
@@ -110,8 +112,9 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages):
             seg_start = seg_info[seg, 0]
             seg_end = seg_info[seg, 1]
             first_chunk = seg_info[seg, 2]
-            for i, j in T.Parallel(head_k, block_cols):
-                state[i, j] = T.if_then_else(cb >= h_blocks and i == m_col + j, T.cast(1, ACCUM), T.cast(0, ACCUM))
+            # X^T = 0 for h, the identity's columns (= its rows) for M.
+            for c, i in T.Parallel(block_cols, head_k):
+                state_t[c, i] = T.if_then_else(cb >= h_blocks and i == m_col + c, T.cast(1, ACCUM), T.cast(0, ACCUM))
 
             for c in T.Pipelined(T.ceildiv(seg_end - seg_start, CHUNK), num_stages=num_stages):
                 T.copy(k[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
@@ -125,43 +128,44 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, wide, num_stages):
                 T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
                 start = seg_start + c * CHUNK
                 length = T.min(seg_end - start, CHUNK)
-                T.copy(state, state_s)
                 gamma_last = gamma_s[length - 1]
                 decay = T.__exp(gamma_last)
-                for i, j in T.Parallel(head_k, block_cols):  # before any product is in flight
-                    state[i, j] = state[i, j] * decay
-                # W S (and U = A_g V) run on the tensor cores while the row factors are formed.
-                T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
-                if form_u:
-                    if wide:
-                        if cb < h_blocks:  # M runs with U = 0: its half of the CTAs skips the product
-                            T.wgmma_gemm(au_tile, u_tile, u_acc, clear_accum=True)
-                    else:  # the backward's kernel as measured (b10), branch-free
-                        T.wgmma_gemm(au_tile, u_tile, u_acc, clear_accum=True)
+
+                # (U - W X)^T = U^T - X^T W^T: U^T first (no state needed; M blocks run with U = 0),
+                # then -X^T W^T from registers into the same accumulator.
+                for cc, i in T.Parallel(block_cols, head_k):
+                    state_a[cc, i] = T.cast(-state_t[cc, i], dtype)
+                if cb < h_blocks:
+                    if form_u:  # U^T = V^T A_g^T
+                        T.wgmma_gemm(u_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True,
+                                     policy=ROWS)
+                    else:
+                        for cc, i in T.Parallel(block_cols, CHUNK):
+                            vn_t[cc, i] = T.cast(u_tile[i, cc], ACCUM)
+                    T.wgmma_gemm(state_a, w_tile, vn_t, transpose_B=True, policy=ROWS)
+                else:  # (a branch of products only: a cleared accumulator before them serialises them)
+                    T.wgmma_gemm(state_a, w_tile, vn_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                # Row factors and the state's decay while the products run (state_t is in no
+                # product: they read its copy state_a).
                 for i in T.Parallel(CHUNK):
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+                for cc, i in T.Parallel(block_cols, head_k):
+                    state_t[cc, i] = state_t[cc, i] * decay
                 T.wait_wgmma(0)
                 if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
                     sink = w_tile[0, 0] + u_tile[0, 0] + (au_tile[0, 0] if form_u else T.cast(0, dtype))
 
-                # K_g^T V_new = K^T (diag(e^(gamma_C - gamma)) V_new): the row weights go on V_new
-                # (a register fragment), not on a scaled copy of the K tile. The select (not a
-                # product with 0) also keeps whatever lies past the segment's end out.
-                for i, j in T.Parallel(CHUNK, block_cols):
-                    vn[i, j] = T.Select(
-                        i < length,
-                        (T.if_then_else(cb < h_blocks, u_acc[i, j] if form_u else T.cast(u_tile[i, j], ACCUM), T.cast(0, ACCUM))
-                         - vn[i, j]) * k_scale[i],
-                        T.cast(0, ACCUM),
-                    )
-                T.copy(vn, vn_s)
-                T.wgmma_gemm(k_tile, vn_s, state, transpose_A=True)
+                # X^T += ((U - W X)^T diag(e^(gamma_C - gamma) r)) K: the K_g^T of the update as
+                # column weights on the register operand (zero past the segment's end).
+                for cc, i in T.Parallel(block_cols, CHUNK):
+                    vnw_a[cc, i] = T.cast(vn_t[cc, i] * k_scale[i], dtype)
+                T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
                 T.wait_wgmma(0)
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
 
             if seg_end > seg_start:  # empty: a sequence's last segment, whose [h | M] nothing reads
-                for i, j in T.Parallel(head_k, block_cols):
-                    seg_state[seg, head, i, cb * block_cols + j] = state[i, j]
+                for cc, i in T.Parallel(block_cols, head_k):
+                    seg_state[seg, head, i, cb * block_cols + cc] = state_t[cc, i]
 
     return segment_state

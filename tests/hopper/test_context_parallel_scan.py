@@ -70,25 +70,6 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(1, 8, 512, dev) is None
 
 
-def test_forward_transitions_run_wide_only_where_that_saves_waves(monkeypatch):
-    from flash_gdn.hopper import context_parallel as cp
-
-    monkeypatch.setattr(cp, "num_sms", lambda index: 132)
-    dev = torch.device("cuda", 0)
-    # (tokens, sequences, chunks per segment, Hv): measured wins of the wide kernel (H200) ...
-    assert cp.wide_transitions(32768, 1, 32, 8, 128, 128, dev)  # 2/8 x 1x32768: 4 narrow waves -> 2 wide
-    assert cp.wide_transitions(8192, 1, 16, 8, 128, 128, dev)  # 2/8 x 1x8192
-    assert cp.wide_transitions(8192, 1, 16, 16, 128, 128, dev)  # 4/16 and 16/16 x 1x8192
-    assert cp.wide_transitions(16384, 1, 64, 32, 128, 128, dev)  # 32/32 x 1x16384: 3 -> 2 waves
-    assert cp.wide_transitions(32768, 2, 103, 24, 128, 128, dev)  # 8/24 x 16384+16384
-    # ... and its losses: fewer narrow CTAs than SMs, where narrow ones run side by side.
-    assert not cp.wide_transitions(4096, 1, 16, 8, 128, 128, dev)  # 2/8 x 1x4096
-    assert not cp.wide_transitions(2048, 1, 8, 8, 128, 128, dev)  # 2/8 x 1x2048
-    assert not cp.wide_transitions(2048, 1, 16, 24, 128, 128, dev)  # 8/24 x 1x2048
-    assert not cp.wide_transitions(2048, 1, 16, 32, 128, 128, dev)  # 8/32 and 16/32 x 1x2048
-    assert not cp.wide_transitions(32768, 1, 32, 8, 64, 64, dev)  # K = V = 64: one width only
-
-
 def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkeypatch):
     from flash_gdn.hopper import context_parallel as cp
 
