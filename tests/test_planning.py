@@ -62,6 +62,13 @@ def test_segments_tile_every_sequence_in_order(seg_target):
     keep = torch.ones(info.shape[0], dtype=torch.bool)
     keep[last] = False
     assert torch.equal(trans[keep], info[keep])
+    # segment_state (skip_first_m) finds a sequence's first segment as segment 0 or one whose
+    # predecessor is empty in transition_info: only last segments (and unused rows) are.
+    empty = trans[:, 1] == trans[:, 0]
+    is_first = torch.cat([torch.tensor([True]), empty[:-1]])[:used]
+    expected = torch.zeros(used, dtype=torch.bool)
+    expected[segs.first_seg.long()] = True
+    assert torch.equal(is_first, expected)
 
 
 def test_batch_plans_are_built_once_per_shape():

@@ -65,7 +65,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split)  # noqa: E731
     return ForwardKernels(
         lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp)),
-        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states)) if cp else None,
+        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states, not has_h0)) if cp else None,
         (lambda: build_segment_scan(dk, dv, has_h0)) if cp else None,
         output,
     )

@@ -55,6 +55,13 @@ def _lo(x):
     return T.cast(x - T.cast(T.cast(x, SPLIT), ACCUM), SPLIT)
 
 
+@T.macro
+def _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse):
+    T.gemm(m_lo, s_hi, state, transpose_A=reverse, policy=ROWS)
+    T.gemm(m_hi, s_lo, state, transpose_A=reverse, policy=ROWS)
+    T.gemm(m_hi, s_hi, state, transpose_A=reverse, policy=ROWS)
+
+
 @tilelang.jit
 def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, threads=THREADS):
     """Forward: out[first] = init, out[s + 1] = M_s out[s] + off_s (first segment to last).
@@ -127,9 +134,12 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
                                barrier=loaded)
                     T.barrier_arrive(loaded)
                 # state <- off + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first; M^T in reverse).
-                T.gemm(m_lo, s_hi, state, transpose_A=reverse, policy=ROWS)
-                T.gemm(m_hi, s_lo, state, transpose_A=reverse, policy=ROWS)
-                T.gemm(m_hi, s_hi, state, transpose_A=reverse, policy=ROWS)
+                # From a zero initial state the first step is off alone: the forward's transition
+                # pass does not compute a first segment's M then (``skip_first_m``).
+                if has_initial or reverse:
+                    _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
+                elif j > 0:
+                    _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
                 T.copy(state, out[seg - 1 if reverse else seg + 1, head, 0:head_k, col:col + BLOCK_COLS])
 
     return segment_scan

@@ -14,7 +14,10 @@ columns skip it) and ``u`` is not read; without (the saved-state forward, whose
 ``v``, ``a_u`` are not. One CTA per (block of 64 [h | M] columns, segment, value head);
 columns 0..V-1 are h, columns V..V+K-1 are M, written in fp32 to ``seg_state``
 ``[segments, Hv, K, V + K]``. A sequence's last segment needs neither (nothing follows it):
-the plan hands those in empty, and their CTAs write nothing.
+the plan hands those in empty, and their CTAs write nothing. ``skip_first_m`` (the forward
+without an initial state): S_start of a sequence's first segment is zero, so its M is never
+used (``segment_scan`` starts from h there) and its M blocks are not computed: a quarter to a
+half of the pass where sequences have two to four segments.
 
 V-major, as ``state_output_vmajor``: with X a block of [h | M], the CTA holds X^T [64, K] in
 fp32 registers and feeds its bf16 copy to wgmma as the A operand, so neither X nor
@@ -39,8 +42,9 @@ from .tiles import ACCUM, CHUNK, ROWS
 
 
 @functools.lru_cache(maxsize=None)
-def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, num_stages: int = 2):
-    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, num_stages))
+def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
+                        num_stages: int = 2):
+    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stages))
 
 
 def transition_sources(u=None, v=None, a_u=None) -> tuple:
@@ -54,7 +58,7 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 
 @tilelang.jit
-def _segment_state_kernel(head_k, head_v, dtype, form_u, num_stages):
+def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -112,6 +116,11 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, num_stages):
             seg_start = seg_info[seg, 0]
             seg_end = seg_info[seg, 1]
             first_chunk = seg_info[seg, 2]
+            if skip_first_m:
+                # A sequence's first segment follows the previous sequence's last one, which the
+                # plan hands in empty (segments before a sequence's last have whole chunks).
+                if cb >= h_blocks and (seg == 0 or seg_info[T.max(seg - 1, 0), 1] == seg_info[T.max(seg - 1, 0), 0]):
+                    seg_end = seg_start  # its M: nothing to do, nothing written
             # X^T = 0 for h, the identity's columns (= its rows) for M.
             for c, i in T.Parallel(block_cols, head_k):
                 state_t[c, i] = T.if_then_else(cb >= h_blocks and i == m_col + c, T.cast(1, ACCUM), T.cast(0, ACCUM))

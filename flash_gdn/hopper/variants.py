@@ -38,8 +38,10 @@ def kernel_builders(head_dim: int, dtype: str):
     # Outputs (write_inverse, write_u, write_au, write_w): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
-    builders += [(f"segment_state[{dtype},form_u={fu}]", lambda fu=fu: build_segment_state(d, d, dtype, fu))
-                 for fu in (False, True)]
+    # skip_first_m: the forward's without an initial state.
+    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip}]",
+                  lambda fu=fu, skip=skip: build_segment_state(d, d, dtype, fu, skip))
+                 for fu, skip in itertools.product((False, True), (False, True))]
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
         builders += [(f"segment_scan[init={init},reverse={rev}]", lambda init=init, rev=rev: build_segment_scan(d, d, init, rev))
                      for init, rev in itertools.product((False, True), (False, True))]

@@ -146,11 +146,14 @@ def test_autograd_on_hopper_path_matches_reference():
         assert rel_err(leaves[name].grad, ref[name].grad) <= 2e-2, name
 
 
-@pytest.mark.parametrize("seg_chunks,l2norm", [(1, False), (3, True), (3, False)])
-def test_context_parallel_matches_naive(monkeypatch, seg_chunks, l2norm):
+# Without an initial state the transition pass skips each sequence's first M (skip_first_m)
+# and the scan starts from h: poisoned buffers (torch.empty under ``poisoned``) would show a read of it.
+@pytest.mark.parametrize("seg_chunks,l2norm,h0", [(1, False, True), (3, True, True), (3, False, True), (1, False, False),
+                                                  (3, True, False)])
+def test_context_parallel_matches_naive(monkeypatch, seg_chunks, l2norm, h0):
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
     lengths = [1, 0, 64, 300, 5, 63, 129, 0, 1000]
-    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=True,
+    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=h0,
                      normalize=not l2norm)
     _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"), use_qk_l2norm_in_kernel=l2norm)
 
