@@ -139,7 +139,7 @@ def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device:
 
 
 BACKWARD_MIN_SEGMENT_CHUNKS = 16
-BACKWARD_LONG_SEQUENCE_CHUNKS = 256
+BACKWARD_LONG_SEQUENCE_CHUNKS = 128
 
 
 def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
@@ -160,6 +160,10 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
     loses at 32 CTAs with shorter ones (4/8 x 4096x2 0.385 -> 0.403, 2/4 x 2048x4 0.214 ->
     0.244, 2/4 x 8192x4 and 8/16 x 1x8192 even) and with 64 or more (2/4 x 4096x8 0.59 ->
     0.72, 4/8 x 8192x4 1.13 -> 1.33, 8/16 x 16384x2 2.19 -> 2.55, 16/32 x 1x8192 1.12 -> 1.33).
+    With the V-major transitions (v16) sequences of 128 chunks count as long at 32 CTAs:
+    8/16 x 1x8192 0.661 -> 0.633 ms, 2/4 x 8192x4 0.657 -> 0.637, 4/8 x 8192x2 0.661 -> 0.635
+    (32-chunk segments; kernel time), while 4/8 x 4096x2 stays even (0.359 -> 0.363) and
+    64 CTAs still lose (8/16 x 4096x2 0.520 -> 0.632, 16/32 x 1x8192 0.980 -> 1.170).
     """
     if _overridden():
         return _override()

@@ -87,4 +87,6 @@ def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkey
     assert cp.backward_segment_chunks_for(1, 4, 64, dev) == 16  # 2/4 x 4k: 4 segments
     assert cp.backward_segment_chunks_for(2, 4, 130, dev) == 16  # 2/4 x 8k_2seq
     assert cp.backward_segment_chunks_for(2, 8, 130, dev) is None  # 4/8 x 8k_2seq: 32 CTAs, short
-    assert cp.backward_segment_chunks_for(4, 4, 516, dev) is None  # 2/4 x 32k_4seq: 32 CTAs, 129 chunks each
+    assert cp.backward_segment_chunks_for(4, 4, 516, dev) == 32  # 2/4 x 32k_4seq: 32 CTAs, 128 chunks each
+    assert cp.backward_segment_chunks_for(1, 16, 129, dev) == 32  # 8/16 x 8k_1seq
+    assert cp.backward_segment_chunks_for(4, 4, 260, dev) is None  # 2/4 x 4 sequences of 64 chunks
