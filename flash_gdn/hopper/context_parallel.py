@@ -21,7 +21,7 @@ import functools
 import torch
 
 from ..env import env_get
-from ..planning import CHUNK, SegmentPlan
+from ..planning import SegmentPlan
 
 MIN_SEGMENT_CHUNKS = 16
 # Rows of at most this many chunks (one 2048-token sequence and its bound) at up to
