@@ -178,7 +178,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         del seg_state, run_init
 
     dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    dk_wy = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
+    dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
     dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
     dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads

@@ -104,7 +104,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         bounds: T.Tensor((num_chunks, 2), "int32"),
-        dk_wy: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
+        dk_wy: T.Tensor((tokens, num_v_heads, head_k), dtype),
         dgamma_wy: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         scale: T.float32,
         normalize: T.int32,
@@ -194,7 +194,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     if role == 1:
                         # dk_wy of this member straight into the accumulator while the tiles arrive.
                         for i, d in T.Parallel(CHUNK, head_k):
-                            grad[i, d] += T.if_then_else(i < length, dk_wy[start + i, head, d], T.cast(0, ACCUM))
+                            grad[i, d] += T.if_then_else(i < length, T.cast(dk_wy[start + i, head, d], ACCUM), T.cast(0, ACCUM))
                     T.mbarrier_wait_parity(vo_ready, member % 2)
                     if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
                         for i, j in T.Parallel(CHUNK, head_v):

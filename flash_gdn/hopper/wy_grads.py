@@ -12,7 +12,8 @@ beta, gamma, the state at the chunk's start h and dV_new (stages 1 and 2):
 A_r comes from ``prepare_wu`` (``write_inverse``, fp16); A_u and A_w are rebuilt from it with
 beta and the gates as there (keys normalised by ``k_norm_inv``);
 dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
-group sum follow outside). Rows past the chunk's end: beta = 0 and dV_new = 0 there.
+group sum follow outside), written in the input dtype (``qk_grads`` adds it to its fp32 sum).
+dV and dK_wy leave through shared tiles that are dead by then (V's, dV_new's: K = V) by TMA. Rows past the chunk's end: beta = 0 and dV_new = 0 there.
 It also zeroes dg, which ``qk_grads`` then adds to (two atomic adds per element).
 """
 
@@ -22,7 +23,7 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .tiles import ACCUM, CHUNK, HALF, pair_decay
+from .tiles import ACCUM, CHUNK, HALF, pair_decay, store_chunk_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +50,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
         h: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
         dv_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
         dv: T.Tensor((tokens, num_v_heads, head_v), dtype),
-        dk_wy: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
+        dk_wy: T.Tensor((tokens, num_v_heads, head_k), dtype),
         dbeta: T.Tensor((tokens, num_v_heads), ACCUM),
         dgamma_wy: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         dg: T.Tensor((tokens, num_v_heads), ACCUM),
@@ -138,11 +139,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                     for i, j in T.Parallel(CHUNK, head_v):
                         dvn_tile[i, j] = T.if_then_else(i < length, dvn_tile[i, j], T.cast(0, dtype))
 
-                # dV = A_u^T dV_new;  dW = -dV_new S^T.
-                T.gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(CHUNK, head_v):
-                    if i < length:
-                        dv[start + i, head, j] = T.cast(dv_acc[i, j], dtype)
+                # dW = -dV_new S^T.
                 T.mbarrier_wait_parity(h_ready, 0)
                 T.gemm(dvn_tile, h_tile, dw_acc, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(CHUNK, head_k):
@@ -153,6 +150,10 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 T.mbarrier_wait_parity(v_ready, 0)
                 T.gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
                 T.gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
+                # dV = A_u^T dV_new, out through V's tile (read for the last time just above) by TMA.
+                T.gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
+                T.copy(dv_acc, v_tile)
+                store_chunk_rows(v_tile, dv, start, length, head, 0)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     dau[i, j] = T.Select(i >= j, dau[i, j], T.cast(0, ACCUM))
                     daw[i, j] = T.Select(i >= j, daw[i, j], T.cast(0, ACCUM))
@@ -196,9 +197,9 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # dK_wy = A_w^T dW + (dKK + dKK^T) K.
                 T.gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
                 T.gemm(sym_s, k_tile, dw_acc)
-                for i, d in T.Parallel(CHUNK, head_k):
-                    if i < length:
-                        dk_wy[start + i, head, d] = dw_acc[i, d]
+                # Out through dV_new's tile (dead since dV) by TMA, in the input dtype.
+                T.copy(dw_acc, dvn_tile)
+                store_chunk_rows(dvn_tile, dk_wy, start, length, head, 0)
                 for i in T.Parallel(CHUNK):
                     if i < length:
                         dbeta[start + i, head] = lrow_s[i] + xcol_s[i]
