@@ -104,7 +104,7 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 # the row factors are formed.
                 T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
                 T.wgmma_gemm(au_tile, v_tile, u_acc, clear_accum=True)
-                T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
+                T.tma_copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])  # waited for at the chunk's end
                 gamma_last = gamma_s[length - 1]
                 for i in T.Parallel(CHUNK):
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
@@ -129,8 +129,9 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
                 # V_new goes out while the state update runs: a whole chunk by one TMA store; a
                 # sequence's last, partial chunk row by row (the rows after it are another sequence's).
-                store_chunk_rows(vn_s, v_new, start, length, head, v0)
+                store_chunk_rows(vn_s, v_new, start, length, head, v0, wait=False)
                 T.wait_wgmma(0)
+                T.tma_store_wait(0)  # h and V_new read out of shared memory before the next chunk writes them
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
 

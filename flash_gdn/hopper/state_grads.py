@@ -128,7 +128,8 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
                     ds[i, j] = ds[i, j] * decay
                 # K dS' runs on the tensor cores while dh goes out and the row factors are formed.
                 T.wgmma_gemm(k_tile, ds_s, kds, clear_accum=True)
-                T.copy(ds_s, dh[chunk, head, 0:head_k, v0:v0 + block_v])
+                # (Not waited for here: the wait at the chunk's end; ds_s is next written after it.)
+                T.tma_copy(ds_s, dh[chunk, head, 0:head_k, v0:v0 + block_v])
                 for i in T.Parallel(CHUNK):
                     q_scale[i] = T.if_then_else(i < length, T.__exp(gamma_s[i]) * scale * q_inv[i], T.cast(0, ACCUM))
                     k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
@@ -154,8 +155,9 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
                 T.wgmma_gemm(w_tile, neg_dvn_s, ds, transpose_A=True)
                 # dV_new goes out while the products run: a whole chunk by one TMA store, a
                 # sequence's last, partial chunk row by row.
-                store_chunk_rows(dvn_s, dv_new, start, length, head, v0)
+                store_chunk_rows(dvn_s, dv_new, start, length, head, v0, wait=False)
                 T.wait_wgmma(0)
+                T.tma_store_wait(0)  # dh and dV_new read out of shared memory before the next chunk writes them
                 if length < 0:  # never: same for the q, w and dO tiles
                     sink = q_tile[0, 0] + w_tile[0, 0] + do_tile[0, 0]
 

@@ -256,6 +256,10 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
 
                 if not split_v:
                     T.wait_wgmma(2)
+                    # The previous chunk's O store has read o_s by now (issued a chunk ago); waited for
+                    # here rather than at the store, ahead of the barrier that P^T's store passes
+                    # before o_s is written again.
+                    T.tma_store_wait(0)
                     scale_p(pt, pt_s, gamma_s, q_col, k_inv, g_col, g_row, qc_col, kinv_row)
                 # O^T = (S^T Q^T) diag(q_scale) + V_new^T P^T.
                 T.wait_wgmma(1)
@@ -277,8 +281,10 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
                 else:
                     for vr, i in T.Parallel(block_v, CHUNK):
                         o_s[i, vr] = out_t[vr, i]
-                    store_chunk_rows(o_s, o, start, length, head, v0)
+                    store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
 
+            if not split_v:
+                T.tma_store_wait(0)  # the last chunk's O store, before the CTA's shared memory goes
             for vr, i in T.Parallel(block_v, head_k):
                 final_state[seq, head, i, v0 + vr] = state_t[vr, i]
 

@@ -40,12 +40,16 @@ def kernel_gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -
 
 
 @T.macro
-def store_chunk_rows(tile, dst, start, length, head, col0):
+def store_chunk_rows(tile, dst, start, length, head, col0, wait=True):
     """``dst[start + i, head, col0 + j] = tile[i, j]`` for the chunk's rows i < ``length``: a whole
     chunk by one TMA store, a sequence's partial last chunk row by row (the rows after it are
-    another sequence's)."""
+    another sequence's). ``wait=False``: the TMA store is not waited for here; the caller waits
+    (``T.tma_store_wait``) before ``tile`` is written again."""
     if length == CHUNK:
-        T.copy(tile, dst[start:start + CHUNK, head, col0:col0 + tile.shape[1]])
+        if wait:
+            T.copy(tile, dst[start:start + CHUNK, head, col0:col0 + tile.shape[1]])
+        else:
+            T.tma_copy(tile, dst[start:start + CHUNK, head, col0:col0 + tile.shape[1]])
     else:
         for i, j in T.Parallel(CHUNK, tile.shape[1]):
             if i < length:
