@@ -7,7 +7,7 @@
 #   scripts/ab_kernels.sh DIR                 # on the GPU host: profile, swap DIR in, profile, restore
 #
 # Env: ROWS_F / ROWS_B (scripts/profile_kernels.py row specs for forward / backward),
-# OUT (folder for the raw profiles; default /tmp/ab). Prints new | old side by side.
+# PROFILE_ARGS (e.g. --save), OUT (folder for the raw profiles; default /tmp/ab). Prints new | old side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
@@ -28,8 +28,8 @@ backup=$(mktemp -d)
 cp flash_gdn/hopper/*.py "$backup"/
 trap 'cp "$backup"/*.py flash_gdn/hopper/' EXIT
 run() {  # $1: tag
-  python3 scripts/profile_kernels.py $rows_f 2>&1 | grep -v INFO > "$out/$1_fwd.txt"
-  python3 scripts/profile_kernels.py --bwd $rows_b 2>&1 | grep -v INFO > "$out/$1_bwd.txt"
+  python3 scripts/profile_kernels.py ${PROFILE_ARGS:-} $rows_f 2>&1 | grep -v INFO > "$out/$1_fwd.txt"
+  python3 scripts/profile_kernels.py --bwd ${PROFILE_ARGS:-} $rows_b 2>&1 | grep -v INFO > "$out/$1_bwd.txt"
 }
 run new
 cp "$old"/*.py flash_gdn/hopper/

@@ -1,7 +1,10 @@
 """Per-kernel GPU time of one forward or backward call (torch.profiler), for the rows given
 on the command line.
 
-    python3 scripts/profile_kernels.py [--bwd] 2/8:1x32768 16/64:8192x4
+    python3 scripts/profile_kernels.py [--bwd] [--save] 2/8:1x32768 16/64:8192x4
+
+``--save``: with ``save_chunk_states=True`` (the forward that writes the chunk states, and the
+backward that reads them).
 """
 
 import sys
@@ -9,7 +12,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from flash_gdn import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_gdn.bench.rows import parse_lengths
 
 
@@ -28,25 +31,25 @@ def row_inputs(spec: str) -> dict:
     return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu)
 
 
-def row_step(x: dict, backward: bool):
+def row_step(x: dict, backward: bool, save: bool = False):
     """One call to time on inputs ``x``: the forward, or the backward of a forward run now
     (under the environment's CP setting at this moment)."""
     if not backward:
-        return lambda: chunk_gated_delta_rule(**x)
-    _, _, saved = chunk_gated_delta_rule_fwd(**x)
+        return lambda: chunk_gated_delta_rule_fwd(**x, save_chunk_states=save)
+    _, _, saved = chunk_gated_delta_rule_fwd(**x, save_chunk_states=save)
     do = torch.randn_like(x["v"])
     return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
 
 
-def profile_row(spec: str, backward: bool, iters: int = 5) -> None:
-    step = row_step(row_inputs(spec), backward)
+def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5) -> None:
+    step = row_step(row_inputs(spec), backward, save)
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    print(f"== {spec} {'backward' if backward else 'forward'}: per call, us")
+    print(f"== {spec} {'backward' if backward else 'forward'}{' (saved states)' if save else ''}: per call, us")
     rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
     for name, us in sorted(rows, key=lambda r: -r[1]):
         print(f"  {us:9.1f}  {name[:90]}")
@@ -55,7 +58,7 @@ def profile_row(spec: str, backward: bool, iters: int = 5) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    backward = "--bwd" in args
-    specs = [a for a in args if a != "--bwd"]
+    backward, save = "--bwd" in args, "--save" in args
+    specs = [a for a in args if not a.startswith("--")]
     for spec in specs or ["2/8:1x32768", "16/64:8192x4"]:
-        profile_row(spec, backward)
+        profile_row(spec, backward, save)

@@ -127,7 +127,8 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
-                T.copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])  # chunk start state
+                # The chunk start state; this chunk's stores are waited for at its end (v17).
+                T.tma_copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])
                 gamma_last = gamma_s[length - 1]
 
                 # Issue the three products that need only S and the tiles, most urgent first
@@ -155,7 +156,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 for i, j in T.Parallel(CHUNK, block_v):
                     vn[i, j] = T.Select(i < length, T.cast(u_tile[i, j], ACCUM) - vn[i, j], T.cast(0, ACCUM))
                 T.copy(vn, vn_s)
-                store_chunk_rows(vn_s, v_new, start, length, head, v0)
+                store_chunk_rows(vn_s, v_new, start, length, head, v0, wait=False)
                 for i, j in T.Parallel(CHUNK, block_v):
                     vn[i, j] = vn[i, j] * k_scale[i]
                 T.copy(vn, vnk_s)
@@ -178,8 +179,9 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 T.wgmma_gemm(k_tile, vnk_s, state, transpose_A=True)
                 T.wait_wgmma(1)  # the O store overlaps the state update
                 T.copy(out, o_s)
-                store_chunk_rows(o_s, o, start, length, head, v0)
+                store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
                 T.wait_wgmma(0)
+                T.tma_store_wait(0)  # h, V_new and O read out of shared memory before the next chunk writes them
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
 

@@ -153,7 +153,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # dV = A_u^T dV_new, out through V's tile (read for the last time just above) by TMA.
                 T.gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
                 T.copy(dv_acc, v_tile)
-                store_chunk_rows(v_tile, dv, start, length, head, 0)
+                store_chunk_rows(v_tile, dv, start, length, head, 0, wait=False)  # waited for by dK_wy's store
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     dau[i, j] = T.Select(i >= j, dau[i, j], T.cast(0, ACCUM))
                     daw[i, j] = T.Select(i >= j, daw[i, j], T.cast(0, ACCUM))
