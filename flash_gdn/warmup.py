@@ -12,13 +12,16 @@ def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat1
     Head counts and sequence lengths are symbolic in the kernels, so one warm-up covers
     every head configuration and every batch. Returns the names of the variants built.
     """
+    from .env import env_get
     from .hopper.prebuild import run_concurrently
     from .hopper.tiles import TL_DTYPE
-    from .hopper.variants import backward_kernel_builders, kernel_builders, planning_builders
+    from .hopper.variants import backward_kernel_builders, kernel_builders, opt_in_builders, planning_builders
 
     named = list(planning_builders())
     for dtype in dtypes:
         named += kernel_builders(head_dim, TL_DTYPE[dtype])
+        if env_get("FLASH_GDN_FUSED", "0") == "1":
+            named += opt_in_builders(head_dim, TL_DTYPE[dtype])
         if backward:
             named += backward_kernel_builders(head_dim, TL_DTYPE[dtype])
     run_concurrently([build for _, build in named])

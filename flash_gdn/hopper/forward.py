@@ -1,4 +1,4 @@
-"""Hopper forward launcher: planning, then prepare_wu -> state_output.
+"""Hopper forward launcher: planning, then prepare_wu -> state_output, or the one fused kernel.
 
 No host synchronisation: grids are sized from shapes, the chunk map is computed on the
 device (``planning``), and every buffer is allocated here from shapes alone.
@@ -15,13 +15,16 @@ from typing import NamedTuple
 
 import torch
 
-from ..planning import chunk_capacity
+from ..env import env_get
+from ..planning import chunk_capacity, plan_for
 from ..validation import Problem
 from .context_parallel import segment_chunks_for, segment_target, split_output
+from .forward_fused import build_forward_fused
 from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, run_prepare, unused_buffer
+from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, gate_rows, run_prepare,
+                         unused_buffer)
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, transition_sources
 from .state_output import build_state_output
@@ -32,10 +35,22 @@ from .tiles import TL_DTYPE, kernel_gate_dtype
 class ForwardKernels(NamedTuple):
     """The kernels one forward configuration launches (None: not launched)."""
 
-    prepare: Launcher
+    prepare: Launcher | None  # None: the fused forward (``output`` is forward_fused)
     transitions: Launcher | None  # segment_state (context parallelism)
     scan: Launcher | None  # segment_scan (context parallelism)
-    output: Launcher  # state_output_vmajor, or state_output where the chunk states are saved
+    output: Launcher  # state_output_vmajor, state_output where the chunk states are saved, or forward_fused
+
+
+def use_fused(dk: int, dv: int, cp: bool, split: bool, save_states: bool) -> bool:
+    """Whether the forward runs as the one fused kernel (``forward_fused``; K = V = 128, chunk
+    states not saved). Opt-in for now (``FLASH_GDN_FUSED=1``, which takes it wherever it can
+    run, CP and split rows too): it is correct, but its auxiliary warpgroup (the chunk inverse
+    and the gate factors, one chunk ahead of the state) takes 5.6 us a chunk where the state
+    warpgroups take 2.6, so it is slower than the two-kernel forward today (docs/performance.md
+    v18)."""
+    if save_states or dk != 128 or dv != 128:
+        return False
+    return env_get("FLASH_GDN_FUSED", "0") == "1"
 
 
 # Configuration -> its kernels. Each builder is a cached function, but hashing its arguments
@@ -43,9 +58,10 @@ class ForwardKernels(NamedTuple):
 _KERNELS: dict[tuple, ForwardKernels] = {}
 
 
-def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split) -> ForwardKernels:
+def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
+                    fused=False) -> ForwardKernels:
     """The configuration's kernels, compiled together at its first call (``prebuild``)."""
-    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split)
+    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused)
     kernels = _KERNELS.get(key)
     if kernels is None:
         build_together(("forward", *key), lambda: forward_builders(*key))
@@ -54,8 +70,11 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
     return kernels
 
 
-def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split) -> ForwardKernels:
+def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
+                     fused=False) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
+    if fused:
+        return ForwardKernels(None, None, None, lambda: build_forward_fused(dk, dv, tl_dtype, gate_dtype, has_h0))
     output_h0 = has_h0 or cp  # with CP every segment starts from a state (the scan's)
     if save_states:  # writes h and V_new too; a block of all of V (two consumer warpgroups per
         # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
@@ -88,9 +107,23 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     seg_chunks = segment_chunks_for(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
     has_h0, cp = initial_state is not None, seg_chunks is not None
     split = not save_states and split_output(cp, num_seqs, hv, dv, dev)
+    fused = use_fused(dk, dv, cp, split, save_states)
+    if fused:
+        cp = split = False
     kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[kernel_gate_dtype(g, beta, dtype)],
                               None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype], has_h0, cp, save_states,
-                              split)
+                              split, fused)
+    h0 = None
+    if has_h0:
+        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+        h0 = h0.to(torch.float32).contiguous()
+    if fused:
+        o, final_state = _fused_forward(kernels.output, q, k, v, g, beta, problem, h0, use_l2, cu_seqlens)
+        if not output_final_state:
+            final_state = None
+        elif state_v_first:
+            final_state = final_state.transpose(-1, -2).contiguous()
+        return o.view(batch, seq_len, hv, dv), final_state, {}
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
     # written; the saved-state kernel reads U and W.
@@ -104,10 +137,6 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     if save_states:
         saved = (torch.empty(prep.plan.chunk_bounds.shape[0], hv, dk, dv, dtype=dtype, device=dev),
                  torch.empty(tokens, hv, dv, dtype=dtype, device=dev))
-    h0 = None
-    if has_h0:
-        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
-        h0 = h0.to(torch.float32).contiguous()
 
     if not cp:
         final_state = torch.empty(num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
@@ -138,16 +167,34 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     return o.view(batch, seq_len, hv, dv), final_state, extras
 
 
+def _fused_forward(kernel: Launcher, q, k, v, g, beta, problem: Problem, h0, use_l2: bool, cu_seqlens):
+    """The whole forward by ``forward_fused``: ``(o [tokens, Hv, V], final_state [N, Hv, K, V])``."""
+    tokens = problem.batch * problem.seq_len
+    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    dev = q.device
+    gate_dtype = kernel_gate_dtype(g, beta, q.dtype)
+    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev)
+    o = torch.empty(tokens, hv, dv, dtype=q.dtype, device=dev)
+    final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
+    # Without an initial state the kernel is compiled not to read one (any buffer will do).
+    kernel(q.reshape(tokens, hqk, dk).contiguous(), k.reshape(tokens, hqk, dk).contiguous(),
+           v.reshape(tokens, hv, dv).contiguous(), gate_rows(g, tokens, hv, gate_dtype),
+           gate_rows(beta, tokens, hv, gate_dtype), plan.seq_info, final_state if h0 is None else h0,
+           problem.scale, int(use_l2), o, final_state)
+    return o, final_state
+
+
 def _prepare_outputs(save_states: bool, cp: bool) -> tuple[bool, bool, bool, bool]:
     if save_states:
         return SAVED_STATE_OUTPUTS
     return FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
 
 
-def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False):
+def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False, fused=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
-    builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split)
+    builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
+                                            fused)
                 if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]

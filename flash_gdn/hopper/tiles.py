@@ -66,6 +66,7 @@ def blocked_unit_lower_inverse(
     column: T.LocalBuffer((BLOCK,), ACCUM),
     left: T.FragmentBuffer((CHUNK, CHUNK), HALF),
     inv: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
+    thread0=0,
 ):
     """inv = (I + L)^-1 for the strictly lower triangular L held in ``strict`` (registers;
     DESIGN: A_r), blocked. ``strict`` is overwritten (it holds the merges' products).
@@ -82,38 +83,77 @@ def blocked_unit_lower_inverse(
        their left operand from registers (``left``: Dn, then Dn L, in fp16), so neither
        goes through shared memory; only Dn itself is stored (the right operand).
     Operands are fp16, accumulation fp32; ``inv`` ends as the fp32 64x64 inverse.
+    ``thread0``: the first thread of the warpgroup that runs this (a warp-specialised kernel's role).
     """
+    stage_strict_lower(strict, lower_diag, lower16, diag16)
+    unit_lower_inverse_staged(strict, lower_diag, lower16, diag16, diag32, column, left, inv, thread0)
+
+
+@T.macro
+def stage_strict_lower(
+    strict: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
+    lower_diag: T.SharedBuffer((CHUNK, BLOCK), ACCUM),
+    lower16: T.SharedBuffer((CHUNK, CHUNK), HALF),
+    diag16: T.SharedBuffer((CHUNK, CHUNK), HALF),
+):
+    """Step 0 of ``blocked_unit_lower_inverse``: L to shared memory (whole in fp16, its diagonal
+    blocks in fp32) and the block-diagonal inverse's tile cleared. ``strict`` is free after it."""
     for i, j in T.Parallel(CHUNK, CHUNK):
         lower16[i, j] = T.cast(strict[i, j], HALF)
         diag16[i, j] = T.cast(0, HALF)
     for i, j in T.Parallel(CHUNK, CHUNK):
         if j // BLOCK == i // BLOCK:
             lower_diag[i, j % BLOCK] = strict[i, j]
-    tx = T.get_thread_binding()
+
+
+@T.macro
+def unit_lower_inverse_staged(
+    scratch: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
+    lower_diag: T.SharedBuffer((CHUNK, BLOCK), ACCUM),
+    lower16: T.SharedBuffer((CHUNK, CHUNK), HALF),
+    diag16: T.SharedBuffer((CHUNK, CHUNK), HALF),
+    diag32: T.SharedBuffer((CHUNK, CHUNK), HALF),
+    column: T.LocalBuffer((BLOCK,), ACCUM),
+    left: T.FragmentBuffer((CHUNK, CHUNK), HALF),
+    inv: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
+    thread0=0,
+    row=None,
+):
+    """Steps 1 and 2 of ``blocked_unit_lower_inverse`` from L staged by ``stage_strict_lower``;
+    ``scratch`` holds the merges' products. ``row`` (a local [16] fp32 buffer): the substitution
+    reads each row of a diagonal block by vector loads into it first, instead of element by
+    element inside its chain."""
+    tx = T.get_thread_binding() - thread0
     if tx < CHUNK:
         base = (tx // BLOCK) * BLOCK
         col = tx % BLOCK
         for i in T.unroll(BLOCK):
             column[i] = T.if_then_else(i == col, T.cast(1, ACCUM), T.cast(0, ACCUM))
         for i in T.unroll(1, BLOCK):
-            for j in T.unroll(i):
-                column[i] -= lower_diag[base + i, j] * column[j]
+            if row is None:
+                for j in T.unroll(i):
+                    column[i] -= lower_diag[base + i, j] * column[j]
+            else:  # the row by 16-byte loads, ahead of the chain (a latency-bound warpgroup's choice)
+                for j in T.vectorized(BLOCK):
+                    row[j] = lower_diag[base + i, j]
+                for j in T.unroll(i):
+                    column[i] -= row[j] * column[j]
         for i in T.unroll(BLOCK):
             diag16[base + i, base + col] = T.cast(column[i], HALF)
 
     # 16 -> 32: D32 = D16 - mask16((D16 L) D16)
     T.copy(diag16, left)
-    T.gemm(left, lower16, strict, clear_accum=True)
-    T.copy(strict, left)
-    T.gemm(left, diag16, strict, clear_accum=True)
+    T.gemm(left, lower16, scratch, clear_accum=True)
+    T.copy(scratch, left)
+    T.gemm(left, diag16, scratch, clear_accum=True)
     for i, j in T.Parallel(CHUNK, CHUNK):
         inv[i, j] = T.cast(diag16[i, j], ACCUM) - T.Select(
-            (i // BLOCK) % 2 == 1 and j // BLOCK == i // BLOCK - 1, strict[i, j], T.cast(0, ACCUM))
+            (i // BLOCK) % 2 == 1 and j // BLOCK == i // BLOCK - 1, scratch[i, j], T.cast(0, ACCUM))
     T.copy(inv, diag32)
     T.copy(inv, left)
     # 32 -> 64: inv = D32 - mask32((D32 L) D32)
-    T.gemm(left, lower16, strict, clear_accum=True)
-    T.copy(strict, left)
-    T.gemm(left, diag32, strict, clear_accum=True)
+    T.gemm(left, lower16, scratch, clear_accum=True)
+    T.copy(scratch, left)
+    T.gemm(left, diag32, scratch, clear_accum=True)
     for i, j in T.Parallel(CHUNK, CHUNK):
-        inv[i, j] = T.cast(diag32[i, j], ACCUM) - T.Select(i >= 2 * BLOCK and j < 2 * BLOCK, strict[i, j], T.cast(0, ACCUM))
+        inv[i, j] = T.cast(diag32[i, j], ACCUM) - T.Select(i >= 2 * BLOCK and j < 2 * BLOCK, scratch[i, j], T.cast(0, ACCUM))

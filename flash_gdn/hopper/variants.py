@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 from .chunk_states import build_chunk_states
+from .forward_fused import build_forward_fused
 from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
@@ -57,6 +58,15 @@ def kernel_builders(head_dim: int, dtype: str):
     return builders
 
 
+def opt_in_builders(head_dim: int, dtype: str):
+    """Kernels only an opt-in switch launches (the one-kernel forward, ``FLASH_GDN_FUSED=1``):
+    compiled by CI like every other, by ``warmup`` only when the switch is on."""
+    if head_dim != 128:  # two state warpgroups of 64 rows of V
+        return []
+    return [(f"forward_fused[{dtype},{gd},h0={h0}]", lambda gd=gd, h0=h0: build_forward_fused(head_dim, head_dim, dtype, gd, h0))
+            for gd, h0 in itertools.product(sorted({"float32", dtype}), (False, True))]
+
+
 def backward_kernel_builders(head_dim: int, dtype: str):
     """The backward's kernels (the sequential stages in both column splits of ``state_block_v``)."""
     d = head_dim
@@ -83,5 +93,5 @@ def planning_builders():
 def all_variants():
     yield from planning_builders()
     for dtype, d in itertools.product(DTYPES, HEAD_DIMS):
-        for name, build in kernel_builders(d, dtype) + backward_kernel_builders(d, dtype):
+        for name, build in kernel_builders(d, dtype) + opt_in_builders(d, dtype) + backward_kernel_builders(d, dtype):
             yield f"{name}[K=V={d}]", build

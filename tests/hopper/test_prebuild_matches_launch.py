@@ -12,7 +12,7 @@ pytest.importorskip("tilelang")
 from flash_gdn.validation import Problem  # noqa: E402
 
 FORWARD_BUILDERS = ("build_prepare_wu", "build_segment_state", "build_segment_scan", "build_state_output",
-                    "build_state_output_vmajor", "build_sequence_prefix", "build_cut_pieces")
+                    "build_state_output_vmajor", "build_forward_fused", "build_sequence_prefix", "build_cut_pieces")
 BACKWARD_BUILDERS = ("build_chunk_states", "build_local_dv", "build_prepare_wu", "build_qk_grads", "build_segment_scan",
                      "build_segment_state", "build_state_grads", "build_wy_grads", "build_sequence_prefix",
                      "build_cut_pieces")
@@ -59,6 +59,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(backward, "CONCURRENT_CHUNK_STATES", False)  # no CUDA streams on the CPU
     monkeypatch.delenv("FLASH_GDN_CP", raising=False)
     monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
+    monkeypatch.delenv("FLASH_GDN_FUSED", raising=False)
     return rec
 
 
@@ -89,6 +90,18 @@ def test_forward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, wit
     h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
     hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, save_states=save_states)
     assert recorder.launched and recorder.launched <= recorder.built, recorder.launched - recorder.built
+
+
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_fused_forward_launches_only_prebuilt_variants(recorder, monkeypatch, with_h0):
+    from flash_gdn.hopper.forward import hopper_forward
+
+    monkeypatch.setenv("FLASH_GDN_FUSED", "1")  # the opt-in one-kernel forward
+    q, k, v, g, beta, cu, problem = _inputs([2048, 2048], 16, 64)
+    h0 = torch.zeros(2, 64, 128, 128) if with_h0 else None
+    hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False)
+    assert {name for name, _, _ in recorder.launched} == {"build_forward_fused"}
+    assert recorder.launched <= recorder.built, recorder.launched - recorder.built
 
 
 # Backward CP on for 2/4 x 1x8192 (8 CTAs of 64 columns), off for 16/64 x 2048+2048; at 4/8 x
