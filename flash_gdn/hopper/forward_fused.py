@@ -102,6 +102,19 @@ def scan_gates(regs, lane, gamma_s, beta_s):
 
 
 @T.macro
+def inverse_row_norms(gram, dst, normalize):
+    """``dst[i] = 1 / sqrt(gram[i, i] + 1e-6)`` (the fused L2 norm, from a Gram matrix X X^T in
+    registers), or 1 when not normalising (``gram`` is then not read)."""
+    if normalize != 0:
+        for i, j in T.Parallel(CHUNK, CHUNK):
+            if i == j:
+                dst[i] = 1 / T.sqrt(gram[i, j] + 1e-6)
+    else:
+        for i in T.Parallel(CHUNK):
+            dst[i] = T.cast(1, ACCUM)
+
+
+@T.macro
 def load_chunk(q, k, v, q_s, k_s, v_s, in_full, c, seq_start, qk_head, head):
     """Chunk ``c``'s q, k and v tiles by TMA into stage ``c % IN_STAGES`` (rows past the tensor
     come back as zeros); the whole auxiliary warpgroup arrives on ``in_full``."""
@@ -202,20 +215,9 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                     # Inverse row norms (fused L2 norm): from the diagonals of Q Q^T and K K^T.
                     if normalize != 0:
                         T.gemm(q_s[c % IN_STAGES, :, :], q_s[c % IN_STAGES, :, :], acc, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(CHUNK, CHUNK):
-                            if i == j:
-                                q_inv[i] = 1 / T.sqrt(acc[i, j] + 1e-6)
-                    else:
-                        for i in T.Parallel(CHUNK):
-                            q_inv[i] = T.cast(1, ACCUM)
+                    inverse_row_norms(acc, q_inv, normalize)
                     T.gemm(k_s[c % IN_STAGES, :, :], k_s[c % IN_STAGES, :, :], acc, transpose_B=True, clear_accum=True)
-                    if normalize != 0:
-                        for i, j in T.Parallel(CHUNK, CHUNK):
-                            if i == j:
-                                k_inv[i] = 1 / T.sqrt(acc[i, j] + 1e-6)
-                    else:
-                        for i in T.Parallel(CHUNK):
-                            k_inv[i] = T.cast(1, ACCUM)
+                    inverse_row_norms(acc, k_inv, normalize)
                     # L = SL(diag(beta r) K K^T diag(r)) (gate-free), staged for the inverse below.
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         acc[i, j] = T.Select(i > j, acc[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from flash_gdn import chunk_gated_delta_rule
-from flash_gdn.reference import naive_recurrence
 from tests.helpers import random_cu_seqlens, rel_err
 
-from .test_gpu_forward import CASES, TOL, _check, _inputs
+from .test_gpu_forward import CASES, TOL, _check, _inputs, check_deterministic, check_graph_capture
 
 pytestmark = pytest.mark.gpu
 
@@ -47,31 +46,11 @@ def test_fused_l2norm_in_kernel(fused, h0):
 
 
 def test_fused_is_deterministic(fused):
-    lengths = [700, 3000, 1]
-    inputs = _inputs(sum(lengths), 2, 8, 128, n=3, h0=True)
-    cu = random_cu_seqlens(lengths, device="cuda")
-    first = chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
-    for _ in range(3):
-        again = chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
-        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    check_deterministic()
 
 
 def test_fused_captures_into_cuda_graph(fused):
-    lengths = [100, 1, 900, 64]
-    cu = random_cu_seqlens(lengths, device="cuda", dtype=torch.int32)
-    static = _inputs(sum(lengths), 2, 8, 128, n=len(lengths), h0=True)
-    chunk_gated_delta_rule(**static, cu_seqlens=cu, output_final_state=True)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, s = chunk_gated_delta_rule(**static, cu_seqlens=cu, output_final_state=True)
-    fresh = _inputs(sum(lengths), 2, 8, 128, n=len(lengths), h0=True)
-    for name, t in fresh.items():
-        static[name].copy_(t)
-    graph.replay()
-    torch.cuda.synchronize()
-    o_ref, s_ref = naive_recurrence(**{n: t.double() for n, t in fresh.items()}, cu_seqlens=cu, output_final_state=True)
-    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+    check_graph_capture()
 
 
 @pytest.mark.parametrize("switch", [None, "0", "1"])
