@@ -1,7 +1,7 @@
 """The ``FLASH_GDN_*`` switches, read on every call at a fraction of ``os.environ.get``'s cost.
 
 ``os.environ.get`` of an unset variable goes through ``Mapping.get`` and a caught KeyError:
-~2 us on a CPU host, more on a loaded GPU host, and a forward call reads four switches. The
+~2 us on a CPU host, more on a loaded GPU host, and a forward call reads several switches. The
 environment mapping keeps its encoded contents in a dict that every assignment through
 ``os.environ`` (and pytest's ``monkeypatch.setenv``) updates, so reading that dict sees the
 same values; where this Python has no such dict, ``os.environ.get`` is used.

@@ -13,17 +13,20 @@ Switches (all on by default): ``aux`` (the auxiliary warpgroup's whole chunk com
 ``state`` (the state warpgroups' products and element-wise work), ``inv`` (the chunk inverse),
 ``pt`` (the K Q^T product), ``kkt`` (the K K^T product), ``stage`` (L to shared memory), ``ag``
 (the A_g tile's store), ``fac`` (the column factors beyond the first). ``rows``: a list of
-[Hqk, Hv, sequences, length] (default [[8, 32, 4, 8192]]).
+[Hqk, Hv, sequences, length] (default [[8, 32, 4, 8192]]). No fused L2 norm (with it the
+auxiliary warpgroup also forms Q Q^T each chunk).
 """
 
 import importlib.util
 import json
 import os
 import sys
+import tempfile
 
 import torch
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "forward_fused.py")
+_WORKDIR = tempfile.mkdtemp(prefix="flash_gdn_fused_probe_")
 
 
 def _indent_block(s: str, start: str, end: str, header: str) -> str:
@@ -40,6 +43,7 @@ def _guard(s: str, marker: str, key: str) -> str:
 
 def patched_source(switches: dict) -> str:
     s = open(SOURCE).read()
+    assert "AUX_STAGES = 2" in s
     s = s.replace("AUX_STAGES = 2", f"DEBUG = {switches!r}\nAUX_STAGES = 2", 1)
     s = s.replace("from .launch", "from flash_gdn.hopper.launch").replace("from .tiles", "from flash_gdn.hopper.tiles")
     aux = "                    "
@@ -62,8 +66,7 @@ def patched_source(switches: dict) -> str:
 
 def compiled(switches: dict, number: int):
     """The kernel built from a patched copy (TileLang reads kernel source from a file)."""
-    path = f"/tmp/flash_gdn_fused_probe/probe_{number}.py"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = os.path.join(_WORKDIR, f"probe_{number}.py")
     with open(path, "w") as f:
         f.write(patched_source(switches))
     spec = importlib.util.spec_from_file_location(f"fused_probe_{number}", path)

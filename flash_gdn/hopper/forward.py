@@ -41,7 +41,7 @@ class ForwardKernels(NamedTuple):
     output: Launcher  # state_output_vmajor, state_output where the chunk states are saved, or forward_fused
 
 
-def use_fused(dk: int, dv: int, cp: bool, split: bool, save_states: bool) -> bool:
+def use_fused(dk: int, dv: int, save_states: bool) -> bool:
     """Whether the forward runs as the one fused kernel (``forward_fused``; K = V = 128, chunk
     states not saved). Opt-in for now (``FLASH_GDN_FUSED=1``, which takes it wherever it can
     run, CP and split rows too): it is correct, but its auxiliary warpgroup (the chunk inverse
@@ -107,7 +107,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     seg_chunks = segment_chunks_for(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
     has_h0, cp = initial_state is not None, seg_chunks is not None
     split = not save_states and split_output(cp, num_seqs, hv, dv, dev)
-    fused = use_fused(dk, dv, cp, split, save_states)
+    fused = use_fused(dk, dv, save_states)
     if fused:
         cp = split = False
     kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[kernel_gate_dtype(g, beta, dtype)],

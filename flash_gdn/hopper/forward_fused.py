@@ -60,6 +60,7 @@ THREAD_REGS = 168
 STATE_REGS = 192
 AUX_REGS = 120
 assert 2 * 128 * STATE_REGS + 128 * AUX_REGS <= THREAD_REGS * THREADS
+O_TILE_BARRIER = 12  # named barrier of the state warpgroups before the output tile is rewritten
 # Column factors the auxiliary warpgroup hands to the state warpgroups, per stage: rows of ``fac_s``.
 F_U, F_Q, F_K, F_DECAY = 0, 1, 2, 3
 
@@ -235,7 +236,7 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                         fac_s[c % AUX_STAGES, F_Q, i] = T.__exp(gamma_s[i]) * scale * q_inv[i]
                         fac_s[c % AUX_STAGES, F_K, i] = T.if_then_else(
                             i < a_length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
-                        fac_s[c % AUX_STAGES, F_DECAY, i] = T.__exp(gamma_last)
+                        fac_s[c % AUX_STAGES, F_DECAY, i] = T.__exp(gamma_last)  # read at 0; a row keeps one loop
                     # A_r = (I + L)^-1, then A_g = Gamma * A_r * beta_col.
                     unit_lower_inverse_staged(acc, lower_diag, lower16, diag16, diag32, column, left, inv,
                                               thread0=AUX_THREAD0, row=row)
@@ -300,8 +301,11 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                     T.wait_wgmma(0)
                     T.barrier_arrive(in_empty[c % IN_STAGES])
                     T.barrier_arrive(aux_empty[c % AUX_STAGES])
-                    T.tma_store_wait(0)  # the previous chunk's O store has read o_s
-                    T.sync_threads(1, STATE_THREADS)
+                    # The previous chunk's O store has read o_s: tma_store_wait holds only the thread
+                    # that issued the store, and this barrier holds the other 255 until it has passed.
+                    # (Id 12: TileLang's own partial barriers here take the low ids.)
+                    T.tma_store_wait(0)
+                    T.sync_threads(O_TILE_BARRIER, STATE_THREADS)
                     for vr, i in T.Parallel(head_v, CHUNK):
                         o_s[i, vr] = out_t[vr, i]
                     store_chunk_rows(o_s, o, s_start, s_length, head, 0, wait=False)

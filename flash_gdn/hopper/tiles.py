@@ -66,7 +66,6 @@ def blocked_unit_lower_inverse(
     column: T.LocalBuffer((BLOCK,), ACCUM),
     left: T.FragmentBuffer((CHUNK, CHUNK), HALF),
     inv: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
-    thread0=0,
 ):
     """inv = (I + L)^-1 for the strictly lower triangular L held in ``strict`` (registers;
     DESIGN: A_r), blocked. ``strict`` is overwritten (it holds the merges' products).
@@ -83,10 +82,9 @@ def blocked_unit_lower_inverse(
        their left operand from registers (``left``: Dn, then Dn L, in fp16), so neither
        goes through shared memory; only Dn itself is stored (the right operand).
     Operands are fp16, accumulation fp32; ``inv`` ends as the fp32 64x64 inverse.
-    ``thread0``: the first thread of the warpgroup that runs this (a warp-specialised kernel's role).
     """
     stage_strict_lower(strict, lower_diag, lower16, diag16)
-    unit_lower_inverse_staged(strict, lower_diag, lower16, diag16, diag32, column, left, inv, thread0)
+    unit_lower_inverse_staged(strict, lower_diag, lower16, diag16, diag32, column, left, inv)
 
 
 @T.macro
@@ -120,7 +118,8 @@ def unit_lower_inverse_staged(
     row=None,
 ):
     """Steps 1 and 2 of ``blocked_unit_lower_inverse`` from L staged by ``stage_strict_lower``;
-    ``scratch`` holds the merges' products. ``row`` (a local [16] fp32 buffer): the substitution
+    ``scratch`` holds the merges' products. ``thread0``: the first thread of the warpgroup that
+    runs this (a warp-specialised kernel's role). ``row`` (a local [16] fp32 buffer): the substitution
     reads each row of a diagonal block by vector loads into it first, instead of element by
     element inside its chain."""
     tx = T.get_thread_binding() - thread0

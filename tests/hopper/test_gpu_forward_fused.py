@@ -45,6 +45,11 @@ def test_fused_l2norm_in_kernel(fused, h0):
     _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"), use_qk_l2norm_in_kernel=True)
 
 
+def test_fused_without_final_state(fused):
+    o, s = chunk_gated_delta_rule(**_inputs(130, 2, 4, 128, h0=True), output_final_state=False)
+    assert s is None and torch.isfinite(o).all()
+
+
 def test_fused_is_deterministic(fused):
     check_deterministic()
 
