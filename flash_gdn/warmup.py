@@ -12,7 +12,7 @@ def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat1
     Head counts and sequence lengths are symbolic in the kernels, so one warm-up covers
     every head configuration and every batch. Returns the names of the variants built.
     """
-    from .env import env_get
+    from .hopper.forward import fused_opted_in
     from .hopper.prebuild import run_concurrently
     from .hopper.tiles import TL_DTYPE
     from .hopper.variants import backward_kernel_builders, kernel_builders, opt_in_builders, planning_builders
@@ -20,7 +20,7 @@ def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat1
     named = list(planning_builders())
     for dtype in dtypes:
         named += kernel_builders(head_dim, TL_DTYPE[dtype])
-        if env_get("FLASH_GDN_FUSED", "0") == "1":
+        if fused_opted_in():
             named += opt_in_builders(head_dim, TL_DTYPE[dtype])
         if backward:
             named += backward_kernel_builders(head_dim, TL_DTYPE[dtype])

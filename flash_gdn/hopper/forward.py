@@ -23,8 +23,8 @@ from .forward_fused import build_forward_fused
 from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, gate_rows, run_prepare,
-                         unused_buffer)
+from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, flat_inputs,
+                         run_prepare, unused_buffer)
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, transition_sources
 from .state_output import build_state_output
@@ -48,8 +48,11 @@ def use_fused(dk: int, dv: int, save_states: bool) -> bool:
     and the gate factors, one chunk ahead of the state) takes 5.6 us a chunk where the state
     warpgroups take 2.6, so it is slower than the two-kernel forward today (docs/performance.md
     v18)."""
-    if save_states or dk != 128 or dv != 128:
-        return False
+    return not save_states and dk == 128 and dv == 128 and fused_opted_in()
+
+
+def fused_opted_in() -> bool:
+    """The opt-in switch of the one-kernel forward (``FLASH_GDN_FUSED=1``; also what ``warmup`` builds)."""
     return env_get("FLASH_GDN_FUSED", "0") == "1"
 
 
@@ -119,11 +122,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         h0 = h0.to(torch.float32).contiguous()
     if fused:
         o, final_state = _fused_forward(kernels.output, q, k, v, g, beta, problem, h0, use_l2, cu_seqlens)
-        if not output_final_state:
-            final_state = None
-        elif state_v_first:
-            final_state = final_state.transpose(-1, -2).contiguous()
-        return o.view(batch, seq_len, hv, dv), final_state, {}
+        return o.view(batch, seq_len, hv, dv), _caller_layout(final_state, output_final_state, state_v_first), {}
     # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
     # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
     # written; the saved-state kernel reads U and W.
@@ -159,28 +158,26 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
                        seg_states, problem.scale, o, seg_states, *saved)
         final_state = seg_states[segs.last_seg] if output_final_state else None
 
-    if output_final_state:
-        final_state = final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
-    else:
-        final_state = None
     extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1]) if save_states else {}
-    return o.view(batch, seq_len, hv, dv), final_state, extras
+    return o.view(batch, seq_len, hv, dv), _caller_layout(final_state, output_final_state, state_v_first), extras
+
+
+def _caller_layout(final_state, output_final_state: bool, state_v_first: bool):
+    """The final state as the caller asked for it: None, ``[N, Hv, K, V]``, or ``[N, Hv, V, K]``."""
+    if not output_final_state:
+        return None
+    return final_state.transpose(-1, -2).contiguous() if state_v_first else final_state
 
 
 def _fused_forward(kernel: Launcher, q, k, v, g, beta, problem: Problem, h0, use_l2: bool, cu_seqlens):
     """The whole forward by ``forward_fused``: ``(o [tokens, Hv, V], final_state [N, Hv, K, V])``."""
-    tokens = problem.batch * problem.seq_len
-    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
-    dev = q.device
-    gate_dtype = kernel_gate_dtype(g, beta, q.dtype)
+    hv, dk, dv, dev = problem.num_v_heads, problem.head_k, problem.head_v, q.device
     plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev)
-    o = torch.empty(tokens, hv, dv, dtype=q.dtype, device=dev)
+    o = torch.empty(problem.batch * problem.seq_len, hv, dv, dtype=q.dtype, device=dev)
     final_state = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
     # Without an initial state the kernel is compiled not to read one (any buffer will do).
-    kernel(q.reshape(tokens, hqk, dk).contiguous(), k.reshape(tokens, hqk, dk).contiguous(),
-           v.reshape(tokens, hv, dv).contiguous(), gate_rows(g, tokens, hv, gate_dtype),
-           gate_rows(beta, tokens, hv, gate_dtype), plan.seq_info, final_state if h0 is None else h0,
-           problem.scale, int(use_l2), o, final_state)
+    kernel(*flat_inputs(q, k, v, g, beta, problem, kernel_gate_dtype(g, beta, q.dtype)), plan.seq_info,
+           final_state if h0 is None else h0, problem.scale, int(use_l2), o, final_state)
     return o, final_state
 
 

@@ -264,7 +264,17 @@ def unused_buffer(dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...])
     return buf
 
 
-def gate_rows(x: torch.Tensor, tokens: int, hv: int, gate_dtype: torch.dtype) -> torch.Tensor:
+def flat_inputs(q, k, v, g, beta, problem, gate_dtype: torch.dtype):
+    """q, k, v as ``[tokens, heads, dim]`` and g, beta as ``[tokens, Hv]`` in the kernels' gate
+    dtype, the layouts every forward kernel reads."""
+    tokens = problem.batch * problem.seq_len
+    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    return (q.reshape(tokens, hqk, dk).contiguous(), k.reshape(tokens, hqk, dk).contiguous(),
+            v.reshape(tokens, hv, dv).contiguous(), _gate_rows(g, tokens, hv, gate_dtype),
+            _gate_rows(beta, tokens, hv, gate_dtype))
+
+
+def _gate_rows(x: torch.Tensor, tokens: int, hv: int, gate_dtype: torch.dtype) -> torch.Tensor:
     """``x`` as ``[tokens, Hv]`` in the kernels' gate dtype (``.to`` only where it converts: a
     no-op ``.to`` still costs a dispatch, a few us of host time on a GPU host)."""
     x = x.reshape(tokens, hv)
@@ -284,10 +294,7 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     dtype, dev = q.dtype, q.device
     gate_dtype = kernel_gate_dtype(g, beta, dtype)
-    qf = q.reshape(tokens, hqk, dk).contiguous()
-    kf = k.reshape(tokens, hqk, dk).contiguous()
-    vf = v.reshape(tokens, hv, dv).contiguous()
-    gf, bf = gate_rows(g, tokens, hv, gate_dtype), gate_rows(beta, tokens, hv, gate_dtype)
+    qf, kf, vf, gf, bf = flat_inputs(q, k, v, g, beta, problem, gate_dtype)
     plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target)
     num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
