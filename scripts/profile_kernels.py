@@ -4,8 +4,8 @@ on the command line.
     python3 scripts/profile_kernels.py [--bwd] [--save] 2/8:1x32768 16/64:8192x4
 
 The forward is timed through ``chunk_gated_delta_rule_fwd`` (the kernels ``chunk_gated_delta_rule``
-launches, without autograd). ``--save``: with ``save_chunk_states=True`` (the forward that writes the chunk states, and the
-backward that reads them).
+launches, without autograd). ``--save``: with ``save_chunk_states=True`` (the forward that
+writes the chunk states, and the backward that reads them).
 """
 
 import sys
