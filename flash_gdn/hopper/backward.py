@@ -37,7 +37,7 @@ from .prebuild import build_together
 from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, run_prepare
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
-from .segment_state import build_segment_state, transition_sources
+from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_grads import build_state_grads
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 from .wy_grads import build_wy_grads
@@ -127,7 +127,8 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
                 transitions_ready.record(side)
             if recompute:
                 build_segment_scan(dk, dv, h0 is not None)(seg_state, seg_state, segs.seg_meta,
-                                                            run_init if h0 is None else h0, run_init)
+                                                            run_init if h0 is None else h0, no_truncation(dev)[1],
+                                                            run_init)
         if recompute:
             init = h0 if segs is None else run_init
             # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
@@ -164,7 +165,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         if transitions_ready is not None:
             main.wait_event(transitions_ready)
         build_segment_scan(dk, dv, dht32 is not None, reverse=True)(
-            seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, ds_end
+            seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, no_truncation(dev)[1], ds_end
         )
         state_grads(segs.seg_info, ds_end, b)
         # Each sequence's start-state gradient, gathered only when someone reads it (a call
@@ -261,8 +262,9 @@ def _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, rec
     only M is needed and A_g was not kept: the variant that reads U runs with W (same shape,
     K = V) in its place, and the h columns come out meaningless and unread."""
     sources = transition_sources(v=vf, a_u=a_u) if recompute else transition_sources(u=w)
+    log_bound, trunc_flags = no_truncation(kf.device)  # exact transitions: the reverse scan needs every M
     build_segment_state(problem.head_k, problem.head_v, tl_dtype, recompute)(
-        kf, w, *sources, gamma, k_norm_inv, segs.seg_info, seg_state
+        kf, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags
     )
 
 

@@ -26,7 +26,7 @@ from .prebuild import build_together
 from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, flat_inputs,
                          run_prepare, unused_buffer)
 from .segment_scan import build_segment_scan
-from .segment_state import build_segment_state, transition_sources
+from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
 from .tiles import TL_DTYPE, kernel_gate_dtype
@@ -87,8 +87,9 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split)  # noqa: E731
     return ForwardKernels(
         lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp)),
-        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states, not has_h0)) if cp else None,
-        (lambda: build_segment_scan(dk, dv, has_h0)) if cp else None,
+        # The default forward's transitions are truncated where gates decay (segment_state).
+        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states, not has_h0, not save_states)) if cp else None,
+        (lambda: build_segment_scan(dk, dv, has_h0, truncated=not save_states)) if cp else None,
         output,
     )
 
@@ -148,10 +149,15 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
         # The transitions read U (saved-state mode) or form it from V and A_g.
         sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
-        kernels.transitions(prep.k, w, *sources, prep.gamma, prep.k_norm_inv, segs.transition_info, seg_state)
+        # Truncated transitions (not in the saved-state mode): per segment and head, whether M is zero.
+        log_bound, trunc_flags = no_truncation(dev)
+        if prep.log_bound is not None:
+            log_bound, trunc_flags = prep.log_bound, torch.empty(capacity, hv, dtype=torch.int32, device=dev)
+        kernels.transitions(prep.k, w, *sources, prep.gamma, prep.k_norm_inv, segs.transition_info, log_bound, seg_state,
+                            trunc_flags)
         seg_states = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
         # Without an initial state the scan is compiled not to read one (any buffer will do).
-        kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, seg_states)
+        kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, trunc_flags, seg_states)
         # Each segment's start state in, its end state out, in place: the CTA of a (segment,
         # head) reads exactly the elements it later writes, and reads them first.
         kernels.output(prep.q, prep.k, w, *u_or_v_au, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, segs.seg_info,

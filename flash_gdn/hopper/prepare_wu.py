@@ -38,26 +38,32 @@ from .launch import Launcher
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
-# What a call needs written, (write_inverse, write_u, write_au, write_w): the forward's state
-# kernel forms U from A_g and, without context parallelism, W S from K and A_g too (so W is not
-# written); the segment transitions of CP read W; the backward also needs A_r; the forward that
-# saves its chunk states runs ``state_output``, which reads U and W, and keeps A_r and W for
-# the backward. The launch code and the prebuild lists (forward_builders,
-# backward._build_kernels, variants) all take these.
-FORWARD_OUTPUTS = (False, False, True, False)
-FORWARD_CP_OUTPUTS = (False, False, True, True)
-BACKWARD_OUTPUTS = (True, False, True, True)
-SAVED_STATE_OUTPUTS = (True, True, False, True)
+# What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound): the
+# forward's state kernel forms U from A_g and, without context parallelism, W S from K and A_g
+# too (so W is not written); the segment transitions of CP read W, and in the forward also each
+# chunk's bound on the norm of its transition (``write_bound``, for ``segment_state``'s
+# truncation); the backward also needs A_r; the forward that saves its chunk states runs
+# ``state_output``, which reads U and W, and keeps A_r and W for the backward. The launch code
+# and the prebuild lists (forward_builders, backward._build_kernels, variants) all take these.
+FORWARD_OUTPUTS = (False, False, True, False, False)
+FORWARD_CP_OUTPUTS = (False, False, True, True, True)
+BACKWARD_OUTPUTS = (True, False, True, True, False)
+SAVED_STATE_OUTPUTS = (True, True, False, True, False)
+# log_bound of a chunk in which some key may expand the state (beta |k_hat|^2 outside [0, 2]):
+# large enough that no sum of gate totals brings a window holding it below the truncation level.
+EXPANDING = 1e30
 
 
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
-                     write_u: bool = True, write_au: bool = False, write_w: bool = True):
-    return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w))
+                     write_u: bool = True, write_au: bool = False, write_w: bool = True, write_bound: bool = False):
+    return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w,
+                                       write_bound))
 
 
 @tilelang.jit
-def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, threads=128):
+def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, write_bound,
+                       threads=128):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -72,6 +78,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     au_heads = T.dynamic("au_heads")
     w_tokens = T.dynamic("w_tokens") if not write_w else tokens
     w_heads = T.dynamic("w_heads") if not write_w else num_v_heads
+    bound_heads = T.dynamic("bound_heads") if not write_bound else num_v_heads
+    bound_chunks = T.dynamic("bound_chunks") if not write_bound else num_chunks
 
     @T.prim_func
     def prepare_wu(
@@ -89,6 +97,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         a_r: T.Tensor((inverse_chunks, inverse_heads, CHUNK, CHUNK), HALF),
         a_u_out: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
+        log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
@@ -119,6 +128,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             g_r = T.alloc_var(ACCUM)
             writes_norms = T.alloc_var("int32")
             tx = T.get_thread_binding()
+            expands = T.alloc_shared((1,), "int32") if write_bound else None
+            largest = T.alloc_local((1,), ACCUM) if write_bound else None
             k_ready = T.alloc_barrier(threads)
             v_ready = T.alloc_barrier(threads) if write_u else None
             if not write_w and not write_u:
@@ -150,6 +161,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 if tx < CHUNK:
                     beta_s[tx] = beta_r
                     g_s[tx] = g_r
+                if write_bound:
+                    if tx == 0:
+                        expands[0] = 0
                 T.cumsum(g_s, gamma_s)
                 # k_inv shares its shared memory with g_s (TileLang's reuse after the cumsum), and the
                 # 1 / |k| branch's own barrier does not cover the other branch: one barrier for both.
@@ -164,8 +178,24 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 # Element-wise work in registers, fragments to shared memory whole. Each select picks
                 # between registers and the shared-memory factors multiply outside it: a select with a
                 # load in an operand compiles to a branch per element (64 for this one loop).
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
+                if write_bound:
+                    # Whether some key may expand the state. The chunk's transition is a product of
+                    # e^g_t (I - beta_t k_hat_t k_hat_t^T), of norm at most e^g_t where 0 <= beta_t
+                    # |k_hat_t|^2 <= 2, the diagonal of diag(beta r) K K^T diag(r). Sufficient, and
+                    # with no search for the diagonal: every element of that matrix <= 2 (a row's
+                    # largest is at least its diagonal) and every beta >= 0.
+                    # (Thread tx < 64 holds beta of row tx in beta_r: a negative one counts as large.)
+                    largest[0] = T.if_then_else(beta_r < 0, T.cast(3, ACCUM), T.cast(-3.0e38, ACCUM))
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        kkt[i, j] = kkt[i, j] * (beta_s[i] * k_inv[i] * k_inv[j])
+                        largest[0] = T.max(largest[0], kkt[i, j])
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM))
+                    if largest[0] > 2:
+                        expands[0] = 1
+                else:
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
                 blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
                     T.copy(inv, diag16)  # free after the first merge
@@ -208,6 +238,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                                 u[start + i, head, d] = v_tile[i, d]
                 for i in T.Parallel(CHUNK):
                     gamma[head, chunk_id, i] = gamma_s[i]  # = gamma_C past the chunk's end
+                if write_bound:  # log of a bound on the norm of the chunk's transition
+                    if tx == 0:
+                        log_bound[head, chunk_id] = gamma_s[CHUNK - 1] + T.if_then_else(
+                            expands[0] != 0, T.cast(EXPANDING, ACCUM), T.cast(0, ACCUM))
 
                 if writes_norms != 0:
                     for i in T.Parallel(CHUNK):
@@ -232,7 +266,9 @@ class Prepared(NamedTuple):
     W (None where not written), U, gamma ``[Hv, chunks, 64]``, the inverse norms ``[Hqk, chunks, 64]`` and, when asked
     for (the backward's), each chunk's gate-free inverse A_r ``[chunks, Hv, 64, 64]`` in fp16;
     ``a_u``: A_g ``[chunks, Hv, 64, 64]`` in the input dtype when asked for (U is then None
-    unless asked for too)."""
+    unless asked for too); ``log_bound`` ``[Hv, chunks]`` (``write_bound``): per chunk, the log of a
+    bound on the norm of its transition, the gate total, or ``EXPANDING`` where a key may expand
+    the state."""
 
     plan: ChunkPlan
     q: torch.Tensor
@@ -246,6 +282,7 @@ class Prepared(NamedTuple):
     k_norm_inv: torch.Tensor
     a_r: torch.Tensor | None = None
     a_u: torch.Tensor | None = None
+    log_bound: torch.Tensor | None = None
 
 
 _UNUSED: dict[tuple, torch.Tensor] = {}
@@ -282,14 +319,15 @@ def _gate_rows(x: torch.Tensor, tokens: int, hv: int, gate_dtype: torch.dtype) -
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                outputs: tuple[bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
+                outputs: tuple[bool, bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
                 seg_target: int = 0) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks or more, at most ``seg_target`` of
     them where lengths allow: ``planning.balanced_segment_chunks``; for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
-    write_au, write_w), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token and value head.
+    write_au, write_w, write_bound), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token
+    and value head.
     ``kernel``: the variant for ``outputs``, where the caller has it resolved already."""
-    write_inverse, write_u, write_au, write_w = outputs
+    write_inverse, write_u, write_au, write_w, write_bound = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     dtype, dev = q.dtype, q.device
@@ -304,12 +342,18 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     # gamma per value head and chunk (gamma_C past the chunk's end): one 16-byte-aligned TMA box;
     # the inverse row norms of q and k alike per q/k head. One allocation for the three (host
     # time: each torch.empty is a few us on the GPU host), rows of 256 bytes keep the alignment.
-    factors = torch.empty(hv + 2 * hqk, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    gamma, q_norm_inv, k_norm_inv = factors.split_with_sizes((hv, hqk, hqk))
+    # The transitions' log bounds (one value per value head and chunk) come after them.
+    rows = hv + 2 * hqk
+    factors = torch.empty(rows * num_chunks * CHUNK + (hv * num_chunks if write_bound else 0), dtype=torch.float32,
+                          device=dev)
+    gamma, q_norm_inv, k_norm_inv = factors[:rows * num_chunks * CHUNK].view(rows, num_chunks, CHUNK).split_with_sizes(
+        (hv, hqk, hqk))
+    log_bound = (factors[rows * num_chunks * CHUNK:].view(hv, num_chunks) if write_bound
+                 else unused_buffer(dev, torch.float32, (1, 1)))
     a_r = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev) if write_inverse
            else unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK)))
     if kernel is None:
         kernel = build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)
-    kernel(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u)
+    kernel(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u, log_bound)
     return Prepared(plan, qf, kf, vf, bf, w if write_w else None, u if write_u else None, gamma, q_norm_inv, k_norm_inv,
-                    a_r if write_inverse else None, a_u if write_au else None)
+                    a_r if write_inverse else None, a_u if write_au else None, log_bound if write_bound else None)

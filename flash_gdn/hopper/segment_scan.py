@@ -18,6 +18,10 @@ bf16 rounding and the bf16 rounding of the remainder, x ~ x_hi + x_lo with
 
 The dropped M_lo S_lo and the roundings are ~2^-16 of |M| |S|: about 1e-5 relative per
 step, far below the bf16 rounding of the kernels' inputs.
+
+``truncated`` (the forward): where ``segment_state`` truncated a segment's transition
+(``trunc_flags[seg, head]`` = 1), M_s is zero to its tolerance and not computed, so the step is
+S_start[s + 1] = h_s: neither M_s's load nor its split nor the products.
 """
 
 import functools
@@ -35,11 +39,13 @@ THREADS = 256
 
 
 @functools.lru_cache(maxsize=None)
-def build_segment_scan(head_k: int, head_v: int, has_initial: bool, reverse: bool = False):
-    """Forward: ``(seg_state, seg_state, seg_meta, h0, seg_init)``, offsets h_s in
-    ``seg_state[..., :V]``. Reverse (``reverse``): ``(seg_state, b, seg_meta, dht, ds_end)``
-    with offsets ``b`` ``[S, Hv, K, V]``, see ``_segment_scan_kernel``."""
-    return Launcher(_segment_scan_kernel(head_k, head_v, has_initial, reverse, head_v if reverse else head_v + head_k))
+def build_segment_scan(head_k: int, head_v: int, has_initial: bool, reverse: bool = False, truncated: bool = False):
+    """Forward: ``(seg_state, seg_state, seg_meta, h0, trunc_flags, seg_init)``, offsets h_s in
+    ``seg_state[..., :V]``. Reverse (``reverse``): ``(seg_state, b, seg_meta, dht, trunc_flags,
+    ds_end)`` with offsets ``b`` ``[S, Hv, K, V]``, see ``_segment_scan_kernel``. Without
+    ``truncated``, ``trunc_flags`` is not read (any small int32 buffer)."""
+    return Launcher(_segment_scan_kernel(head_k, head_v, has_initial, reverse, head_v if reverse else head_v + head_k,
+                                         truncated))
 
 
 SPLIT = "bfloat16"
@@ -63,7 +69,7 @@ def _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse):
 
 
 @tilelang.jit
-def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, threads=THREADS):
+def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, truncated, threads=THREADS):
     """Forward: out[first] = init, out[s + 1] = M_s out[s] + off_s (first segment to last).
 
     Reverse, for the backward's state gradient (dS_start = M^T dS_end + b over a segment,
@@ -76,6 +82,8 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
     num_seqs = T.dynamic("num_seqs")
     num_v_heads = T.dynamic("num_v_heads")
     init_rows = T.dynamic("init_rows")
+    flag_segs, flag_heads = T.dynamic("flag_segs"), T.dynamic("flag_heads")
+    assert not (truncated and reverse), "truncation is the forward's"
 
     @T.prim_func
     def segment_scan(
@@ -83,6 +91,7 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
         offsets: T.Tensor((num_segs_total, num_v_heads, head_k, offset_cols), ACCUM),
         seg_meta: T.Tensor((num_seqs, 3), "int32"),
         init: T.Tensor((init_rows, num_v_heads, head_k, head_v), ACCUM),
+        trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
         out: T.Tensor((num_segs_total, num_v_heads, head_k, head_v), ACCUM),
     ):
         with T.Kernel(num_seqs, head_v // BLOCK_COLS, num_v_heads, threads=threads) as (seq, cb, head):
@@ -105,7 +114,8 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
             count = seg_meta[seq, 1]
             if count > 1:  # the first step's operands
                 seg = first + count - 1 if reverse else first
-                T.tma_copy(seg_state[seg, head, 0:head_k, head_v:head_v + head_k], m_f, barrier=loaded)
+                if not truncated or trunc_flags[seg, head] == 0:
+                    T.tma_copy(seg_state[seg, head, 0:head_k, head_v:head_v + head_k], m_f, barrier=loaded)
                 T.tma_copy(offsets[seg, head, 0:head_k, col:col + BLOCK_COLS], off_f, barrier=loaded)
                 T.barrier_arrive(loaded)
             if has_initial:
@@ -119,27 +129,31 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, thre
                     s_hi[i, c] = _hi(state[i, c])
                     s_lo[i, c] = _lo(state[i, c])
                 T.mbarrier_wait_parity(loaded, j % 2)
-                for i, k in T.Parallel(head_k, head_k):
-                    m_hi[i, k] = _hi(m_f[i, k])
-                    m_lo[i, k] = _lo(m_f[i, k])
+                if not truncated or trunc_flags[seg, head] == 0:
+                    for i, k in T.Parallel(head_k, head_k):
+                        m_hi[i, k] = _hi(m_f[i, k])
+                        m_lo[i, k] = _lo(m_f[i, k])
                 T.copy(off_f, state)
                 # The stage is free: every thread's reads of it are done (barrier), then the proxy
                 # fence orders them before the next step's TMA writes.
                 T.sync_threads()
                 T.fence_proxy_async()
                 if j < count - 2:
-                    T.tma_copy(seg_state[seg - 1 if reverse else seg + 1, head, 0:head_k, head_v:head_v + head_k], m_f,
-                               barrier=loaded)
+                    if not truncated or trunc_flags[seg + 1, head] == 0:
+                        T.tma_copy(seg_state[seg - 1 if reverse else seg + 1, head, 0:head_k, head_v:head_v + head_k],
+                                   m_f, barrier=loaded)
                     T.tma_copy(offsets[seg - 1 if reverse else seg + 1, head, 0:head_k, col:col + BLOCK_COLS], off_f,
                                barrier=loaded)
                     T.barrier_arrive(loaded)
                 # state <- off + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first; M^T in reverse).
                 # From a zero initial state the first step is off alone: the forward's transition
                 # pass does not compute a first segment's M then (``skip_first_m``).
-                if has_initial or reverse:
-                    _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
-                elif j > 0:
-                    _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
+                # (Where the transition was truncated, M_s is zero to its tolerance: the step is h_s.)
+                if not truncated or trunc_flags[seg, head] == 0:
+                    if has_initial or reverse:
+                        _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
+                    elif j > 0:
+                        _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
                 T.copy(state, out[seg - 1 if reverse else seg + 1, head, 0:head_k, col:col + BLOCK_COLS])
 
     return segment_scan

@@ -19,6 +19,19 @@ without an initial state): S_start of a sequence's first segment is zero, so its
 used (``segment_scan`` starts from h there) and its M blocks are not computed (a quarter to a
 half of the CTAs where sequences have two to four segments; the time falls less, v16).
 
+Truncation (``truncate``, the forward): S_start of the next segment is M S_start + h. Where the
+segment's last w chunks shrink every state by a factor of at least e^LOG_NEGLIGIBLE, that is
+h_w, the recurrence run from zero over those w chunks alone, up to a part that is at most
+e^LOG_NEGLIGIBLE (~2e-9) times the norm of the state at the window's start. ``prepare_wu``
+bounds each chunk's transition (``log_bound``: the chunk's gate total, the log of its
+decay, where every key has 0 <= beta |k_hat|^2 <= 2, so that no I - beta k k^T expands a
+state; ``EXPANDING`` where one may). Each CTA takes the shortest window of at most
+WINDOW_CHUNKS trailing chunks whose bounds sum to LOG_NEGLIGIBLE or less; with one, its h
+columns run over the window only, its M columns are not computed, and ``trunc_flags[seg,
+head]`` = 1 tells ``segment_scan`` that M is zero. Heads whose gates decay slowly (or not at
+all) find no window and keep the exact [h | M]. Strongly decaying heads (e.g. gates of
+logsigmoid(N(0, 1)) per token, ~-51 a chunk) need one chunk instead of the whole segment.
+
 V-major, as ``state_output_vmajor``: with X a block of [h | M], the CTA holds X^T [64, K] in
 fp32 registers and feeds its bf16 copy to wgmma as the A operand, so neither X nor
 U - W X goes through shared memory:
@@ -35,16 +48,29 @@ import functools
 
 import tilelang
 import tilelang.language as T
+import torch
 
 from .launch import Launcher
 from .prepare_wu import unused_buffer
 from .tiles import ACCUM, CHUNK, ROWS
 
+WINDOW_CHUNKS = 8  # the longest truncation window (the shortest CP segments have 8 chunks)
+LOG_NEGLIGIBLE = -20.0  # log of the largest factor a truncated state part may carry (e^-20 ~ 2.1e-9)
+
 
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
-                        num_stages: int = 2):
-    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stages))
+                        truncate: bool = False, num_stages: int = 2):
+    """Arguments: ``(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state,
+    trunc_flags)``; without ``truncate`` the last-but-two and the last are not touched (any
+    small buffer: ``no_truncation``)."""
+    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, num_stages))
+
+
+def no_truncation(device) -> tuple:
+    """The (log_bound, trunc_flags) arguments of the variants that do not truncate."""
+    device = torch.device(device)
+    return unused_buffer(device, torch.float32, (1, 1)), unused_buffer(device, torch.int32, (1, 1))
 
 
 def transition_sources(u=None, v=None, a_u=None) -> tuple:
@@ -58,7 +84,7 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 
 @tilelang.jit
-def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stages):
+def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -70,6 +96,8 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stage
     u_tokens, u_heads = T.dynamic("u_tokens"), T.dynamic("u_heads")
     v_tokens, v_heads = T.dynamic("v_tokens"), T.dynamic("v_heads")
     au_chunks, au_heads = T.dynamic("au_chunks"), T.dynamic("au_heads")
+    bound_heads, bound_chunks = T.dynamic("bound_heads"), T.dynamic("bound_chunks")
+    flag_segs, flag_heads = T.dynamic("flag_segs"), T.dynamic("flag_heads")
 
     @T.prim_func
     def segment_state(
@@ -81,7 +109,9 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stage
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         seg_info: T.Tensor((num_segs, 3), "int32"),
+        log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
         seg_state: T.Tensor((num_segs, num_v_heads, head_k, head_v + head_k), ACCUM),
+        trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
     ):
         # Segments on grid x (up to 2^31 - 1), not y/z (65535).
         with T.Kernel(num_segs, h_blocks + head_k // block_cols, num_v_heads, threads=128) as (seg, cb, head):
@@ -105,6 +135,10 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stage
             gamma_last = T.alloc_var(ACCUM)
             decay = T.alloc_var(ACCUM)
             sink = T.alloc_var(dtype)
+            bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM) if truncate else None
+            bound_sum = T.alloc_var(ACCUM) if truncate else None
+            window = T.alloc_var("int32") if truncate else None
+            seg_chunks = T.alloc_var("int32") if truncate else None
             # 96 KB of shared memory (K = 128): two CTAs per SM.
             T.annotate_min_blocks_per_sm(2)
             T.annotate_producer_reg_dealloc(24)
@@ -121,6 +155,29 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, num_stage
                 # plan hands in empty (segments before a sequence's last have whole chunks).
                 if cb >= h_blocks and (seg == 0 or seg_info[T.max(seg - 1, 0), 1] == seg_info[T.max(seg - 1, 0), 0]):
                     seg_end = seg_start  # its M: nothing to do, nothing written
+            if truncate:
+                # The shortest window of trailing chunks whose transition bounds sum to
+                # LOG_NEGLIGIBLE or less (0: none within WINDOW_CHUNKS). Every CTA of the
+                # (segment, head) finds the same. The bounds are loaded at once (indices clamped
+                # into the tensor; those past the segment's start are not summed).
+                seg_chunks = T.ceildiv(seg_end - seg_start, CHUNK)
+                for t in T.unroll(WINDOW_CHUNKS):
+                    bounds[t] = log_bound[head, T.max(T.min(first_chunk + seg_chunks - 1 - t, bound_chunks - 1), 0)]
+                window = 0
+                bound_sum = T.cast(0, ACCUM)
+                for t in T.unroll(WINDOW_CHUNKS):
+                    if window == 0 and t < seg_chunks:
+                        bound_sum = bound_sum + bounds[t]
+                        if bound_sum <= LOG_NEGLIGIBLE:
+                            window = t + 1
+                if window > 0:
+                    if cb >= h_blocks:
+                        seg_end = seg_start  # M is zero to this tolerance: nothing to do, nothing written
+                    else:  # h over the window alone (segments before a sequence's last have whole chunks)
+                        seg_start = seg_end - window * CHUNK
+                        first_chunk = first_chunk + seg_chunks - window
+                if cb == 0 and T.get_thread_binding() == 0:
+                    trunc_flags[seg, head] = T.if_then_else(window > 0, 1, 0)
             # X^T = 0 for h, the identity's columns (= its rows) for M.
             for c, i in T.Parallel(block_cols, head_k):
                 state_t[c, i] = T.if_then_else(cb >= h_blocks and i == m_col + c, T.cast(1, ACCUM), T.cast(0, ACCUM))

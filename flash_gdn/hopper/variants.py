@@ -36,16 +36,21 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # Outputs (write_inverse, write_u, write_au, write_w): prepare_wu's *_OUTPUTS.
+    # Outputs (write_inverse, write_u, write_au, write_w, write_bound): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
-    # skip_first_m: the forward's without an initial state.
-    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip}]",
-                  lambda fu=fu, skip=skip: build_segment_state(d, d, dtype, fu, skip))
-                 for fu, skip in itertools.product((False, True), (False, True))]
+    # skip_first_m: the forward's without an initial state. truncate: the default forward's
+    # (form_u); the saved-state forward's (not form_u) and the backward's are exact.
+    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr}]",
+                  lambda fu=fu, skip=skip, tr=tr: build_segment_state(d, d, dtype, fu, skip, tr))
+                 for fu, skip, tr in ((True, False, True), (True, True, True),  # the default forward
+                                      (False, False, False), (False, True, False),  # the saved-state forward
+                                      (True, False, False))]  # the backward recomputing (and saved: F, F, F)
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
-        builders += [(f"segment_scan[init={init},reverse={rev}]", lambda init=init, rev=rev: build_segment_scan(d, d, init, rev))
-                     for init, rev in itertools.product((False, True), (False, True))]
+        builders += [(f"segment_scan[init={init},reverse={rev},truncated={tr}]",
+                      lambda init=init, rev=rev, tr=tr: build_segment_scan(d, d, init, rev, tr))
+                     for init, rev, tr in itertools.product((False, True), (False, True), (False, True))
+                     if not (rev and tr)]
     # The forward's output pass; state_output only in the mode that writes the chunk states.
     builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
                  for h0 in (False, True)]

@@ -5,6 +5,7 @@ import torch
 
 from flash_gdn.hopper.context_parallel import segment_initial_states
 from flash_gdn.hopper.segment_scan import build_segment_scan
+from flash_gdn.hopper.segment_state import no_truncation
 from flash_gdn.planning import plan_segments
 from tests.gpu_helpers import poisoned
 from tests.helpers import random_cu_seqlens, rel_err
@@ -32,12 +33,37 @@ def test_scan_kernel_matches_reference(has_h0):
     with poisoned():
         out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
         build_segment_scan(d, d, has_h0)(seg_state.float(), seg_state.float(), segs.seg_meta,
-                                         (h0 if has_h0 else out).float(), out)
+                                         (h0 if has_h0 else out).float(), no_truncation("cuda")[1], out)
     # Only segments that belong to a sequence are defined.
     used = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(segs.first_seg.cpu(), segs.num_segs.cpu())])
     got, want = out[used.cuda()], expected[used.cuda()]
     assert torch.isfinite(got).all()
     # fp32-level: ~24 steps of a product kept to ~1e-5 per step (segment_scan.py).
+    assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
+
+@pytest.mark.parametrize("has_h0", [False, True])
+def test_truncated_scan_steps_are_h_alone(has_h0):
+    """Where ``trunc_flags`` marks a segment, its M is not computed (poison here) and the step is
+    S_start[s + 1] = h_s; elsewhere M S_start[s] + h_s as before."""
+    lengths = [3000, 0, 129, 1, 2000]
+    cu = random_cu_seqlens(lengths, device="cuda")
+    segs = plan_segments(1, sum(lengths), cu, torch.device("cuda"), seg_chunks=2)
+    hv, d = 3, 128
+    seg_state = _transitions(segs.seg_info.shape[0], hv, d, d)
+    flags = torch.randint(0, 2, (seg_state.shape[0], hv), device="cuda", dtype=torch.int32)
+    reference_state = seg_state.clone()
+    reference_state[..., d:][flags.bool()] = 0.0  # what the flags stand for
+    seg_state[..., d:][flags.bool()] = float("nan")  # never computed: must not be read
+    h0 = torch.randn(len(lengths), hv, d, d, device="cuda", dtype=torch.float64) if has_h0 else None
+    expected = segment_initial_states(reference_state, segs, h0, d)
+    with poisoned():
+        out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
+        build_segment_scan(d, d, has_h0, truncated=True)(seg_state.float(), seg_state.float(), segs.seg_meta,
+                                                         (h0 if has_h0 else out).float(), flags, out)
+    used = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(segs.first_seg.cpu(), segs.num_segs.cpu())])
+    got, want = out[used.cuda()], expected[used.cuda()]
+    assert torch.isfinite(got).all()
     assert rel_err(got, want) <= 1e-4, rel_err(got, want)
 
 
@@ -54,7 +80,8 @@ def test_reverse_scan_kernel_matches_loop(has_dht):
     with poisoned():
         out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
         build_segment_scan(d, d, has_dht, reverse=True)(seg_state.float(), b.float(), segs.seg_meta,
-                                                         (dht if has_dht else out).float(), out)
+                                                         (dht if has_dht else out).float(), no_truncation("cuda")[1],
+                                                         out)
     for n in range(len(lengths)):
         first, count = int(segs.first_seg[n]), int(segs.num_segs[n])
         want = dht[n] if has_dht else torch.zeros(hv, d, d, device="cuda", dtype=torch.float64)

@@ -1,0 +1,84 @@
+"""GPU: the forward's truncated segment transitions (``segment_state`` with ``truncate``): the
+window each (segment, value head) takes follows its gates and keys, and the forward through
+them stays within tolerance of the fp64 recurrence where decaying and non-decaying heads mix."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_gdn import chunk_gated_delta_rule
+from flash_gdn.hopper.prepare_wu import FORWARD_CP_OUTPUTS, run_prepare
+from flash_gdn.hopper.segment_state import build_segment_state, transition_sources
+from flash_gdn.reference import naive_recurrence
+from flash_gdn.validation import Problem
+from tests.gpu_helpers import poisoned
+from tests.helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+SEG_CHUNKS = 16
+# Per value head: the gate of every token, and where (if anywhere) one token per segment gets
+# beta = 3, so that with a unit key beta |k|^2 = 3 > 2 (its I - beta k k^T may expand a state).
+HEADS = [
+    (-1.0, None, True),  # a chunk decays by e^-64: a window of one chunk
+    (-1.0, None, True),
+    (0.0, None, False),  # no decay: exact M
+    (-0.05, None, True),  # -3.2 a chunk: seven chunks reach -22.4 <= -20
+    (-0.02, None, False),  # -1.28 a chunk: eight chunks reach only -10.2
+    (-1.0, "last", False),  # an expanding key in the segment's last chunk: no window holds it
+    (-1.0, "second_last", True),  # ... in the chunk before it: the one-chunk window is clean
+    (-20.0, None, True),
+]
+
+
+def test_transition_windows_follow_gates_and_keys():
+    segments, hqk, hv, d = 3, 2, len(HEADS), 128
+    t = segments * SEG_CHUNKS * 64
+    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    g = torch.empty(1, t, hv, device="cuda")
+    beta = 0.9 * torch.rand(1, t, hv, device="cuda")
+    for head, (gate, expanding, _) in enumerate(HEADS):
+        g[..., head] = gate
+        if expanding is not None:
+            back = 1 if expanding == "last" else 1 + 64
+            for s in range(segments):
+                beta[0, (s + 1) * SEG_CHUNKS * 64 - back - 10, head] = 3.0
+    problem = Problem(1, t, hqk, hv, d, d, 1, d ** -0.5)
+    prep = run_prepare(q, k, v, g, beta, problem, None, False, SEG_CHUNKS, FORWARD_CP_OUTPUTS)
+    segs = prep.plan.segments
+    capacity = segs.seg_info.shape[0]
+    with poisoned():
+        seg_state = torch.empty(capacity, hv, d, 2 * d, device="cuda")
+        flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
+        build_segment_state(d, d, "bfloat16", True, True, True)(
+            prep.k, prep.w, *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
+            segs.transition_info, prep.log_bound, seg_state, flags)
+    expected = torch.tensor([int(truncated) for _, _, truncated in HEADS], dtype=torch.int32, device="cuda")
+    for s in range(segments - 1):  # the last segment has no transition
+        assert torch.equal(flags[s], expected), (s, flags[s].tolist())
+    # Each head's h over its window: finite, and for heads with a window its M is never written.
+    assert torch.isfinite(seg_state[:segments - 1, :, :, :d]).all()
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_truncated_forward_matches_naive(monkeypatch, h0):
+    """Context parallelism over 2-chunk segments with heads of every kind: decaying ones take
+    one-chunk windows, slowly decaying ones longer windows or none, zero-decay ones the exact M."""
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "2")
+    t, hqk, hv, d = 2000, 2, 8, 128
+    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    per_head = torch.tensor([0.0, 0.0, 0.05, 0.2, 1.0, 3.0, 20.0, 0.5], device="cuda")
+    g = -per_head * (0.5 + torch.rand(1, t, hv, device="cuda"))
+    beta = torch.rand(1, t, hv, device="cuda")
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
+    if h0:
+        inputs["initial_state"] = torch.randn(1, hv, d, d, device="cuda")
+    with poisoned():
+        o, s = chunk_gated_delta_rule(**inputs, output_final_state=True)
+    o_ref, s_ref = naive_recurrence(**{n: x.double() for n, x in inputs.items()}, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, o_ref) <= 5e-3 and rel_err(s, s_ref) <= 5e-3, (rel_err(o, o_ref), rel_err(s, s_ref))
