@@ -31,13 +31,12 @@ SHORT_ROW_CHUNKS = 40
 SHORT_MAX_V_HEADS = 16
 SHORT_MIN_SEGMENT_CHUNKS = 8
 # SMs per sequence in units of value heads (segments a sequence may be cut into): below
-# TWO_SEGMENTS CP is off; from there up to THREE_SEGMENTS it is on only for at most
-# FEW_SEQUENCES sequences averaging LONG_SEQUENCE_CHUNKS chunks (see segment_chunks_for).
+# TWO_SEGMENTS CP is off; from there up to THREE_SEGMENTS it is on only where sequences average
+# BAND_SEQUENCE_CHUNKS chunks or more - except for two sequences of equal length (no cu_seqlens),
+# which need LONG_SEQUENCE_CHUNKS (see segment_chunks_for).
 TWO_SEGMENTS, THREE_SEGMENTS = 2, 3
-FEW_SEQUENCES = 2
+BAND_SEQUENCE_CHUNKS = 64
 LONG_SEQUENCE_CHUNKS = 128
-# ... or for two packed sequences (cu_seqlens) averaging at least PACKED_PAIR_CHUNKS chunks.
-PACKED_PAIR_CHUNKS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,6 +95,15 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     0.273, 2048+6144 0.296 -> 0.252, 6144+2048 0.300 -> 0.252, 4096+4096 0.211 -> 0.251; 8/24
     x 1024+7168 0.350 -> 0.247, 2048+6144 and 6144+2048 0.302 -> 0.252, 4096+4096 0.209 ->
     0.216). Without cu_seqlens the sequences are known to be equal, so it stays off there.
+    With the truncated transitions (docs/performance.md v19: where gates decay, a segment's
+    transition costs one chunk instead of all of them) the band was swept again (H200, forward
+    kernel time, off -> segments of the rule's size, ms, gates logsigmoid(N(0, 1))): sequences
+    of 64 chunks or more now gain - 4/16 x 8192x4 0.406 -> 0.335, 2/8 x 4096x8 0.208 -> 0.186,
+    16/48 x 1x4096 0.211 -> 0.164, 16/64 x 1x4096 0.208 -> 0.197 - while 32 chunks or fewer
+    still lose (4/16 x 2048x4 0.110 -> 0.115, 16/64 x 1x2048 0.110 -> 0.123, 2/8 x 1024x8 0.060
+    -> 0.077). So in the band CP is on from 64 chunks a sequence on average, except for two
+    equal sequences without cu_seqlens (128, as before). Where gates do not decay, the
+    transitions run whole and those rows lose what the earlier sweep measured (2-10 %).
     The segment lengths are set from shapes only (no host synchronisation), so with varlen
     every sequence is cut at the same length: long ones into several segments, short ones
     not at all (their transition pass is skipped: nothing follows a sequence's last segment).
@@ -105,9 +113,9 @@ def segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device:
     target_segments = sm_count(device) // num_v_heads
     if target_segments < TWO_SEGMENTS * num_seqs:
         return None
-    packed_pair = varlen and num_seqs == 2 and max_chunks >= PACKED_PAIR_CHUNKS * num_seqs
-    if target_segments < THREE_SEGMENTS * num_seqs and not (
-            num_seqs <= FEW_SEQUENCES and max_chunks >= LONG_SEQUENCE_CHUNKS * num_seqs or packed_pair):
+    equal_pair = num_seqs == 2 and not varlen
+    long_enough = max_chunks >= (LONG_SEQUENCE_CHUNKS if equal_pair else BAND_SEQUENCE_CHUNKS) * num_seqs
+    if target_segments < THREE_SEGMENTS * num_seqs and not long_enough:
         return None
     short = max_chunks <= SHORT_ROW_CHUNKS and num_v_heads <= SHORT_MAX_V_HEADS
     shortest = SHORT_MIN_SEGMENT_CHUNKS if short else MIN_SEGMENT_CHUNKS

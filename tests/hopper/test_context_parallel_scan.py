@@ -57,7 +57,13 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(4, 64, 512, dev) is None  # 16/64 x 8192x4 fills the SMs
     assert cp.segment_chunks_for(1, 24, 128, dev) == 26  # 8/24 x 1x8192: five segments
     assert cp.segment_chunks_for(4, 24, 516, dev) is None  # 8/24 x 8192x4: fewer than two per sequence
-    assert cp.segment_chunks_for(8, 8, 520, dev) is None  # 2/8 x 4096x8: two each, many sequences
+    # Two segments a sequence (the band): from 64 chunks a sequence on average (truncated transitions).
+    assert cp.segment_chunks_for(8, 8, 520, dev) == 33  # 2/8 x 4096x8
+    assert cp.segment_chunks_for(4, 16, 516, dev) == 65  # 4/16 x 8192x4
+    assert cp.segment_chunks_for(1, 64, 65, dev) == 33  # 16/64 x 1x4096
+    assert cp.segment_chunks_for(1, 48, 65, dev) == 33  # 16/48 x 1x4096
+    assert cp.segment_chunks_for(4, 16, 132, dev) is None  # 4/16 x 2048x4: 33 chunks a sequence
+    assert cp.segment_chunks_for(8, 8, 136, dev) is None  # 2/8 x 1024x8
     assert cp.segment_chunks_for(1, 64, 513, dev) == 257  # 16/64 x 1x32768: two, one long sequence
     assert cp.segment_chunks_for(2, 32, 514, dev) == 129  # 8/32 x 28672+4096 and the like
     assert cp.segment_chunks_for(2, 32, 130, dev) is None  # 8/32 x 8192 tokens in two equal sequences (B = 2)
