@@ -1,12 +1,15 @@
-"""Intra-card context parallelism for the forward pass (DESIGN section 4), exact.
+"""Intra-card context parallelism for the forward pass (DESIGN section 4).
 
 When sequences x value heads leave most SMs idle (long sequences, TP4/TP8 head counts), each
 sequence is cut into chunk-aligned segments that run as independent sequences:
 
 1. ``segment_state`` gives every segment's end state from zero, h, and its transition
-   matrix M (fp32), so that S_end = M S_start + h;
+   matrix M (fp32), so that S_end = M S_start + h; in the default forward, where the
+   segment's last chunks (at most 8) shrink every state by e^-20 or more, h over those chunks
+   alone with M = 0 (``segment_state``'s truncation: the part dropped is at most e^-20 times
+   the state where they start; heads whose gates do not decay stay exact);
 2. ``segment_scan``, a scan over each sequence's segments: S_start[s + 1] = M_s S_start[s] + h_s,
-   in fp32 (also for heads whose gates never decay nothing is truncated);
+   in fp32 (h_s alone where truncated);
    ``segment_initial_states`` below is the same scan in torch ops, its reference;
 3. ``state_output`` over the segments with those initial states.
 
