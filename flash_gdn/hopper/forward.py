@@ -146,13 +146,18 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     else:
         segs = prep.plan.segments
         capacity = segs.seg_info.shape[0]
-        seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
+        # [h | M] per segment and head; after it, where the transitions are truncated (not in the
+        # saved-state mode), the int32 flags saying whether M is zero (one allocation for both:
+        # each torch.empty is a few us of host time).
+        transition_elems = capacity * hv * dk * (dv + dk)
+        truncated = prep.log_bound is not None
+        buf = torch.empty(transition_elems + (capacity * hv if truncated else 0), dtype=torch.float32, device=dev)
+        seg_state = buf[:transition_elems].view(capacity, hv, dk, dv + dk)
+        log_bound, trunc_flags = no_truncation(dev)
+        if truncated:
+            log_bound, trunc_flags = prep.log_bound, buf[transition_elems:].view(torch.int32).view(capacity, hv)
         # The transitions read U (saved-state mode) or form it from V and A_g.
         sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
-        # Truncated transitions (not in the saved-state mode): per segment and head, whether M is zero.
-        log_bound, trunc_flags = no_truncation(dev)
-        if prep.log_bound is not None:
-            log_bound, trunc_flags = prep.log_bound, torch.empty(capacity, hv, dtype=torch.int32, device=dev)
         kernels.transitions(prep.k, w, *sources, prep.gamma, prep.k_norm_inv, segs.transition_info, log_bound, seg_state,
                             trunc_flags)
         seg_states = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
