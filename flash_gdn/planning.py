@@ -84,26 +84,30 @@ class ChunkPlan(NamedTuple):
 
 
 def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-             seg_chunks: int | None = None, seg_target: int = 0) -> ChunkPlan:
+             seg_chunks: int | None = None, seg_target: int = 0, wave_ctas: int = 0) -> ChunkPlan:
     """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given; with
     ``seg_chunks``, also its segments of that many chunks (``ChunkPlan.segments``), or of
-    more where ``seg_target`` asks (``balanced_segment_chunks``: lengths seen on the device).
+    more where ``seg_target`` asks (``balanced_segment_chunks``: lengths seen on the device);
+    with ``wave_ctas`` as well, of the length ``wave_segment_chunks`` picks for ``wave_ctas``
+    CTAs per segment on ``seg_target`` SMs (at least ``seg_chunks``; the whole sequences where
+    no cut pays).
 
     Without ``cu_seqlens`` the map depends on the shape alone and is built once per
-    (B, T, device, seg_chunks, seg_target) and reused (no torch ops on later calls) - except during
+    (B, T, device, seg_chunks, seg_target, wave_ctas) and reused (no torch ops on later calls) - except during
     CUDA-graph capture, where ops are recorded, not run, so nothing may be cached. With
     ``cu_seqlens`` on a CUDA device the map of a recently seen, unmodified tensor is reused
     (``_recent_device_plan``).
     """
     device = torch.device(device)
     capturing = _capturing(device)
+    rule = (seg_chunks, seg_target, wave_ctas)
     if cu_seqlens is None and not capturing:
-        return _batch_plan(batch, seq_len, _canonical(device), seg_chunks, seg_target)
+        return _batch_plan(batch, seq_len, _canonical(device), *rule)
     if device.type == "cuda":
         if capturing or cu_seqlens.device.type != "cuda":
-            return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
-        return _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
-    return _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
+            return _device_plan(batch, seq_len, cu_seqlens, device, *rule)
+        return _recent_device_plan(batch, seq_len, cu_seqlens, device, *rule)
+    return _torch_plan(batch, seq_len, cu_seqlens, device, *rule)
 
 
 # Varlen plans of the last few CUDA cu_seqlens tensors: every GDN layer of a model's forward
@@ -132,31 +136,31 @@ def _current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0) -> ChunkPlan:
+def _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0, wave_ctas=0) -> ChunkPlan:
     try:
         version = cu_seqlens._version
     except RuntimeError:  # an inference tensor
-        return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
+        return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target, wave_ctas)
     key = (version, cu_seqlens.data_ptr(), cu_seqlens.shape, cu_seqlens.dtype, batch, seq_len, device, seg_chunks,
-           seg_target, _current_stream(device))
+           seg_target, wave_ctas, _current_stream(device))
     for ref, entry_key, plan in _RECENT_PLANS:
         if ref() is cu_seqlens and entry_key == key:
             return plan
-    plan = _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
+    plan = _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target, wave_ctas)
     _RECENT_PLANS.insert(0, (weakref.ref(cu_seqlens), key, plan))
     del _RECENT_PLANS[RECENT_PLANS_KEPT:]
     return plan
 
 
-def _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0) -> ChunkPlan:
+def _torch_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0, wave_ctas=0) -> ChunkPlan:
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device)
     plan = plan_chunks(cu, chunk_capacity(batch, seq_len, cu.numel() - 1, True))
     if seg_chunks is None:
         return plan
-    return plan._replace(segments=_plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target))
+    return plan._replace(segments=_plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target, wave_ctas))
 
 
-def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0) -> ChunkPlan:
+def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0, wave_ctas=0) -> ChunkPlan:
     """``_torch_plan`` in two launches (``hopper.plan_kernels``) instead of 40-100 torch ops."""
     from .hopper.plan_kernels import build_cut_pieces, build_sequence_prefix
     from .hopper.tiles import TL_DTYPE
@@ -173,7 +177,8 @@ def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0) -
     totals = torch.empty(3, dtype=torch.int32, device=device)  # chunks, segments, chunks per segment
     split = seg_chunks if seg_chunks is not None else 1 << 20
     target = seg_target if seg_chunks is not None else 0
-    build_sequence_prefix(TL_DTYPE[cu.dtype])(cu, split, target, seq_info, seg_meta, totals)
+    wave = wave_ctas if seg_chunks is not None else 0
+    build_sequence_prefix(TL_DTYPE[cu.dtype])(cu, split, target, wave, seq_info, seg_meta, totals)
     bounds = torch.empty(chunks, 2, dtype=torch.int32, device=device)
     segs = 1 if seg_chunks is None else segment_capacity(chunks, num_seqs, seg_chunks)
     seg_info = torch.empty(segs, 3, dtype=torch.int32, device=device)
@@ -197,12 +202,13 @@ def _canonical(device) -> torch.device:
 
 
 @functools.lru_cache(maxsize=64)
-def _batch_plan(batch: int, seq_len: int, device: torch.device, seg_chunks: int | None, seg_target: int = 0) -> ChunkPlan:
+def _batch_plan(batch: int, seq_len: int, device: torch.device, seg_chunks: int | None, seg_target: int = 0,
+                wave_ctas: int = 0) -> ChunkPlan:
     cu = packed_cu_seqlens(batch, seq_len, None, device)
     plan = plan_chunks(cu, chunk_capacity(batch, seq_len, batch, False))
     if seg_chunks is None:
         return plan
-    return plan._replace(segments=_batch_segments(batch, seq_len, device, seg_chunks, seg_target))
+    return plan._replace(segments=_batch_segments(batch, seq_len, device, seg_chunks, seg_target, wave_ctas))
 
 
 class _Pieces(NamedTuple):
@@ -280,26 +286,65 @@ def balanced_segment_chunks(chunk_counts, seg_chunks: int, seg_target: int) -> i
     return lo
 
 
+# What a CTA of the output pass costs beyond its chunks, in chunk steps (its start, its end,
+# the wave's tail, the SMs' shared memory bandwidth when all of them run): fitted to the
+# forward's kernel time at 48 and 64 value heads (H200, docs/performance.md v20).
+WAVE_START_CHUNKS = 10
+
+
+def wave_cost(chunk_counts, seg_chunks: int, ctas_per_segment: int, slots: int) -> int:
+    """The output pass's time in chunk steps, modelled: segments of ``seg_chunks`` chunks, each
+    run by ``ctas_per_segment`` CTAs (one per value head) on ``slots`` SMs, one CTA an SM, in
+    waves as long as the longest segment (plus ``WAVE_START_CHUNKS``)."""
+    counts = list(chunk_counts)
+    longest = min(seg_chunks, max([0, *counts]))
+    waves = -(-ctas_per_segment * num_segments(counts, seg_chunks) // slots)
+    return waves * (longest + WAVE_START_CHUNKS)
+
+
+def wave_segment_chunks(chunk_counts, min_chunks: int, ctas_per_segment: int, slots: int) -> int:
+    """Chunks per segment for sequences of ``chunk_counts`` chunks whose output pass would not
+    fill the SMs evenly (more value heads than half the SMs): the s >= ``min_chunks`` of least
+    ``wave_cost``, the longest such s on ties, so the longest sequence's length (nothing cut)
+    where cutting does not pay.
+
+    Unlike ``balanced_segment_chunks`` (one wave), several waves may pay: 16/48 x 28672+4096
+    (448 + 64 chunks, 96 CTAs without CP, the long sequence's 48 walking 448 chunks) takes
+    segments of 64, 384 CTAs in three waves of 74 steps (222 against 458), measured 1.50 ->
+    0.89 ms; 16/64 x 16384+16384 stays whole (128 CTAs, one wave: 266 against 276 at 128).
+    The device planner (``plan_kernels``) evaluates the same candidates on the lengths it reads;
+    this is its reference and the torch path's rule.
+    """
+    counts = list(chunk_counts)
+    best, best_cost = min_chunks, None
+    for s in range(min_chunks, max([min_chunks, *counts]) + 1):
+        cost = wave_cost(counts, s, ctas_per_segment, slots)
+        if best_cost is None or cost <= best_cost:
+            best, best_cost = s, cost
+    return best
+
+
 def plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-                  seg_chunks: int, seg_target: int = 0) -> SegmentPlan:
+                  seg_chunks: int, seg_target: int = 0, wave_ctas: int = 0) -> SegmentPlan:
     """Split every sequence into segments of ``seg_chunks`` chunks (the last one shorter), or of
-    ``balanced_segment_chunks(.., seg_target)`` (a ``cu_seqlens`` on the CPU then: its lengths
-    are read), with torch ops.
+    ``balanced_segment_chunks(.., seg_target)`` or ``wave_segment_chunks`` (with ``wave_ctas``)
+    (a ``cu_seqlens`` on the CPU then: its lengths are read), with torch ops.
 
     Built once per shape and reused when there is no ``cu_seqlens``.
     """
     if cu_seqlens is None and not _capturing(device):
-        return _batch_segments(batch, seq_len, _canonical(device), seg_chunks, seg_target)
-    return _plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target)
+        return _batch_segments(batch, seq_len, _canonical(device), seg_chunks, seg_target, wave_ctas)
+    return _plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target, wave_ctas)
 
 
 @functools.lru_cache(maxsize=64)
-def _batch_segments(batch: int, seq_len: int, device: torch.device, seg_chunks: int, seg_target: int = 0) -> SegmentPlan:
-    return _plan_segments(batch, seq_len, None, device, seg_chunks, seg_target)
+def _batch_segments(batch: int, seq_len: int, device: torch.device, seg_chunks: int, seg_target: int = 0,
+                    wave_ctas: int = 0) -> SegmentPlan:
+    return _plan_segments(batch, seq_len, None, device, seg_chunks, seg_target, wave_ctas)
 
 
 def _plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-                   seg_chunks: int, seg_target: int = 0) -> SegmentPlan:
+                   seg_chunks: int, seg_target: int = 0, wave_ctas: int = 0) -> SegmentPlan:
     cu = packed_cu_seqlens(batch, seq_len, cu_seqlens, device).to(torch.int64)
     num_seqs = cu.numel() - 1
     varlen = cu_seqlens is not None
@@ -308,7 +353,8 @@ def _plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, de
     if seg_target:  # lengths from the shape, or read from a host cu_seqlens (the CPU path)
         counts = ([-(-seq_len // CHUNK)] * batch if not varlen
                   else [-(-(b - a) // CHUNK) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
-        seg_chunks = balanced_segment_chunks(counts, seg_chunks, seg_target)
+        seg_chunks = (wave_segment_chunks(counts, seg_chunks, wave_ctas, seg_target) if wave_ctas
+                      else balanced_segment_chunks(counts, seg_chunks, seg_target))
     # A sequence's chunks are numbered consecutively, so segment j starts at chunk
     # first_chunk(sequence) + j * seg_chunks. Empty sequences keep one (empty) segment.
     segs = _cut(cu, seg_chunks * CHUNK, capacity, min_per_seq=1)

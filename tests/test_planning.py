@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from flash_gdn.planning import balanced_segment_chunks, chunk_capacity, num_segments, plan_for
+from flash_gdn.planning import (balanced_segment_chunks, chunk_capacity, num_segments, plan_for, wave_cost,
+                                wave_segment_chunks)
 
 
 def test_varlen_chunks_cover_every_token_once():
@@ -91,9 +92,9 @@ def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
 
     built = []
 
-    def device_plan(batch, seq_len, cu, device, seg_chunks, seg_target=0):
+    def device_plan(batch, seq_len, cu, device, seg_chunks, seg_target=0, wave_ctas=0):
         built.append(cu)
-        return planning._torch_plan(batch, seq_len, cu, torch.device("cpu"), seg_chunks, seg_target)
+        return planning._torch_plan(batch, seq_len, cu, torch.device("cpu"), seg_chunks, seg_target, wave_ctas)
 
     stream = ["s0"]
     monkeypatch.setattr(planning, "_device_plan", device_plan)
@@ -105,6 +106,7 @@ def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
     assert planning._recent_device_plan(1, 300, cu, dev, None) is first and len(built) == 1
     assert planning._recent_device_plan(1, 300, cu, dev, 2) is not first  # other segments
     assert planning._recent_device_plan(1, 300, cu, dev, 2, 4) is not planning._recent_device_plan(1, 300, cu, dev, 2)
+    assert planning._recent_device_plan(1, 300, cu, dev, 2, 4, 3) is not planning._recent_device_plan(1, 300, cu, dev, 2, 4)
     assert planning._recent_device_plan(1, 300, cu.clone(), dev, None) is not first  # other tensor, same values
     stream[0] = "s1"
     assert planning._recent_device_plan(1, 300, cu, dev, None) is not first  # other stream
@@ -150,3 +152,34 @@ def test_batch_segments_follow_the_target():
     segs = plan_segments(2, 256 * 64, None, torch.device("cpu"), seg_chunks=103, seg_target=5)
     assert segs.num_segs.tolist() == [2, 2]
     assert segs.seg_info[:4, 1].tolist() == [128 * 64, 256 * 64, 384 * 64, 512 * 64]
+
+
+def test_wave_segments_follow_the_sweep_and_minimise_the_model():
+    """Below the CP band the segment length is the modelled best over several waves of the
+    output pass: the sweep's best length at 48 and 64 value heads on 132 SMs (docs v20), the
+    sequences whole where no cut pays, and on random lengths the longest minimiser of the model."""
+    assert wave_segment_chunks([448, 64], 32, 48, 132) == 64  # 16/48 x 28672+4096: 3 waves of 64
+    assert wave_segment_chunks([384, 128], 32, 64, 132) == 128  # 16/64 x 24576+8192
+    assert wave_segment_chunks([192, 64], 32, 48, 132) == 32  # 16/48 x 12288+4096
+    assert wave_segment_chunks([16, 112], 32, 48, 132) == 32  # 16/48 x 1024+7168
+    assert wave_segment_chunks([256, 256], 32, 64, 132) == 256  # 16/64 x 16384+16384: whole
+    assert wave_segment_chunks([64, 64], 32, 48, 132) == 64  # 16/48 x 4096+4096: whole
+    assert wave_segment_chunks([10, 0], 32, 48, 132) == 32  # shorter than a segment
+    rng = random.Random(0)
+    for _ in range(200):
+        counts = [rng.choice([0, 1, rng.randint(0, 400)]) for _ in range(rng.randint(1, 3))]
+        low, ctas, slots = rng.randint(1, 40), rng.randint(1, 70), rng.choice([8, 66, 132])
+        got = wave_segment_chunks(counts, low, ctas, slots)
+        costs = {s: wave_cost(counts, s, ctas, slots) for s in range(low, max([low, *counts]) + 1)}
+        assert costs[got] == min(costs.values()) and all(s <= got for s, c in costs.items() if c == costs[got])
+
+
+def test_wave_segments_cut_the_plan():
+    from flash_gdn.planning import plan_segments
+
+    cu = torch.tensor([0, 28672, 28672 + 4096], dtype=torch.int32)
+    segs = plan_segments(1, 32768, cu, torch.device("cpu"), seg_chunks=32, seg_target=132, wave_ctas=48)
+    assert segs.num_segs.tolist() == [7, 1]  # 448 chunks in segments of 64, 64 in one
+    assert segs.seg_info[1, 0].item() == 64 * 64
+    whole = plan_segments(1, 32768, torch.tensor([0, 16384, 32768]), torch.device("cpu"), 32, 132, 64)
+    assert whole.num_segs.tolist() == [1, 1]

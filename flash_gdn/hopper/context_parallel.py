@@ -13,18 +13,22 @@ sequence is cut into chunk-aligned segments that run as independent sequences:
    ``segment_initial_states`` below is the same scan in torch ops, its reference;
 3. ``state_output`` over the segments with those initial states.
 
-Everything is planned on the device from ``cu_seqlens``; the host only uses shapes.
+Everything is planned on the device from ``cu_seqlens``; the host only uses shapes. Where
+sequences x value heads fill fewer SMs than two segments a sequence need (48 and 64 value
+heads), one or two sequences are still cut where the lengths the device reads make it pay
+(``forward_segments``: segments over several waves of the output pass).
 ``FLASH_GDN_CP=0`` turns it off; ``FLASH_GDN_CP_SEGMENT_CHUNKS=n`` forces segments of n chunks.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from ..env import env_get
-from ..planning import SegmentPlan
+from ..planning import SegmentPlan, segment_capacity, wave_segment_chunks
 
 MIN_SEGMENT_CHUNKS = 16
 # Rows of at most this many chunks (one 2048-token sequence and its bound) at up to
@@ -40,6 +44,79 @@ SHORT_MIN_SEGMENT_CHUNKS = 8
 TWO_SEGMENTS, THREE_SEGMENTS = 2, 3
 BAND_SEQUENCE_CHUNKS = 64
 LONG_SEQUENCE_CHUNKS = 128
+# Below the band (wave_planned): at most WAVE_MAX_SEQS sequences, segments of at least
+# WAVE_MIN_SEGMENT_CHUNKS chunks, their length chosen on the device (planning.wave_segment_chunks).
+WAVE_MAX_SEQS = 2
+WAVE_MIN_SEGMENT_CHUNKS = 32
+# The forward's CP kernels put segment slots on grid y or z (the plan's unused slots last).
+MAX_SEGMENT_SLOTS = 65535
+
+
+class SegmentRule(NamedTuple):
+    """How the forward cuts sequences into segments (``planning.plan_for``'s arguments)."""
+
+    seg_chunks: int  # chunks a segment, at least
+    seg_target: int  # at most this many segments (balanced), or with wave_ctas the SMs
+    wave_ctas: int  # 0: balanced; else CTAs a segment in the wave model
+
+
+def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device,
+                     varlen: bool = False) -> SegmentRule | None:
+    """The forward's context parallelism: None (off), segments of ``segment_chunks_for`` balanced
+    to one wave of the output pass, or - for one or two sequences in the two-segment band
+    (where ``segment_chunks_for`` turns CP on) or below it (``wave_planned``) - segments of the
+    length the device finds best for the lengths it reads over one or more waves, the
+    sequences whole where no cut pays. (In the band the two agree but where several waves of
+    shorter segments beat one of long ones: 16/48 x 1x32768 1.018 -> 0.882 ms with 64-chunk
+    segments, 384 CTAs, against two segments; H200, docs/performance.md v20.)"""
+    rule = _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen)
+    if rule is not None and segment_capacity(max_chunks, num_seqs, rule.seg_chunks) > MAX_SEGMENT_SLOTS:
+        return None  # (only where the environment forces short segments over very many chunks)
+    return rule
+
+
+def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentRule | None:
+    seg_chunks = segment_chunks_for(num_seqs, num_v_heads, max_chunks, device, varlen)
+    if _overridden():
+        return None if seg_chunks is None else SegmentRule(seg_chunks, 0, 0)
+    sms = sm_count(device)
+    if num_seqs <= WAVE_MAX_SEQS and sms // num_v_heads < THREE_SEGMENTS * num_seqs:
+        if seg_chunks is not None or wave_planned(num_seqs, num_v_heads, max_chunks, device, varlen):
+            return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
+        return None
+    return None if seg_chunks is None else SegmentRule(seg_chunks, segment_target(num_v_heads, device), 0)
+
+
+def wave_planned(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device, varlen: bool = False) -> bool:
+    """Whether one or two sequences at more value heads than the band allows (SMs / Hv < 2 N)
+    go through the CP pipeline with the device choosing the cut (``planning.wave_segment_chunks``).
+
+    Sweep (H200, forward kernel time, ms, off -> best forced segment length of 32, 64, 128, with
+    the transitions forming W S: docs/performance.md v20): 16/48 x 28672+4096 1.496 -> 0.886
+    (64), 24576+8192 1.308 -> 0.880 (64), 16384+16384 0.961 -> 0.875 (64), 12288+4096 0.661 ->
+    0.478 (32), 6144+2048 0.334 -> 0.293 (32), 1024+7168 0.377 -> 0.294 (32); 16/64 x
+    28672+4096 1.563 -> 1.159 (64), 24576+8192 1.390 -> 1.133 (128), 12288+4096 0.705 -> 0.599
+    (64), 6144+2048 0.356 -> 0.331 (32), 1024+7168 0.398 -> 0.372 (32); no cut pays for 16/64 x
+    16384+16384 and x 4096+4096 at either head count - the model agrees on every row. Where
+    the device keeps the sequences whole the pipeline still costs 3-11 % over the forward
+    without CP (16/64 x 16384+16384 1.043 -> 1.117, 16/48 x 4096+4096 0.248 -> 0.271: the
+    transition and scan launches and the output pass reading its start states), which is why
+    many sequences (four and more are mostly of one length; 16/48 x 8192x4 would gain 9 %,
+    16/64 x 8192x4 lose 5 %) stay off, and why B equal sequences without cu_seqlens, whose
+    lengths the host knows, are on only where a cut pays."""
+    if _overridden() or num_seqs > WAVE_MAX_SEQS:
+        return False
+    sms = sm_count(device)
+    if sms // num_v_heads >= TWO_SEGMENTS * num_seqs or max_chunks < TWO_SEGMENTS * WAVE_MIN_SEGMENT_CHUNKS + num_seqs:
+        return False  # the band's (segment_chunks_for), or no sequence of two segments
+    return varlen or _cut_pays(max_chunks // num_seqs, num_seqs, num_v_heads, sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _cut_pays(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> bool:
+    """Whether ``wave_segment_chunks`` cuts ``num_seqs`` sequences of ``per_seq`` chunks (cached:
+    the host path runs it per call)."""
+    return wave_segment_chunks([per_seq] * num_seqs, WAVE_MIN_SEGMENT_CHUNKS, num_v_heads, sms) < per_seq
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +254,9 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
     64 CTAs still lose (8/16 x 4096x2 0.520 -> 0.632, 16/32 x 1x8192 0.980 -> 1.170).
     """
     if _overridden():
-        return _override()
+        forced = _override()
+        # (segment_state, which the backward runs too, puts segment slots on grid z)
+        return None if forced is None or segment_capacity(max_chunks, num_seqs, forced) > MAX_SEGMENT_SLOTS else forced
     sms = sm_count(device)
     ctas = 2 * num_seqs * num_v_heads
     long_sequences = max_chunks >= BACKWARD_LONG_SEQUENCE_CHUNKS * num_seqs

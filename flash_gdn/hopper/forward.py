@@ -18,7 +18,7 @@ import torch
 from ..env import env_get
 from ..planning import chunk_capacity, plan_for
 from ..validation import Problem
-from .context_parallel import segment_chunks_for, segment_target, split_output
+from .context_parallel import forward_segments, split_output
 from .forward_fused import build_forward_fused
 from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
@@ -78,17 +78,22 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     if fused:
         return ForwardKernels(None, None, None, lambda: build_forward_fused(dk, dv, tl_dtype, gate_dtype, has_h0))
-    output_h0 = has_h0 or cp  # with CP every segment starts from a state (the scan's)
+    # With CP every segment starts from a state (the scan's), read from and written back to the
+    # segment states in place (an empty segment, e.g. the plan's unused capacity, does neither).
+    output_h0 = has_h0 or cp
     if save_states:  # writes h and V_new too; a block of all of V (two consumer warpgroups per
         # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
         # 6.1 vs 6.9 us per chunk, H200)
-        output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv)  # noqa: E731
-    else:  # the state as a register operand; W S formed from K and A_g where W is not written (no CP)
-        output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, not cp, split_v=split)  # noqa: E731
+        output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv, in_place=cp)  # noqa: E731
+    else:  # the state as a register operand; W S formed from K and A_g (W is not written)
+        output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, True, split_v=split,  # noqa: E731
+                                                   in_place=cp)
+    default = not save_states
     return ForwardKernels(
         lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp)),
-        # The default forward's transitions are truncated where gates decay (segment_state).
-        (lambda: build_segment_state(dk, dv, tl_dtype, not save_states, not has_h0, not save_states)) if cp else None,
+        # The default forward's transitions form U and W S from V, K and A_g, and are truncated
+        # where gates decay (segment_state); the saved-state forward's read U and W, exact.
+        (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default)) if cp else None,
         (lambda: build_segment_scan(dk, dv, has_h0, truncated=not save_states)) if cp else None,
         output,
     )
@@ -108,8 +113,8 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # The L2 norm of q and k (use_l2) is fused: prepare_wu computes the inverse row norms,
     # the state kernels fold them into their row factors.
     max_chunks = chunk_capacity(batch, seq_len, num_seqs, cu_seqlens is not None)
-    seg_chunks = segment_chunks_for(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
-    has_h0, cp = initial_state is not None, seg_chunks is not None
+    segments = forward_segments(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
+    has_h0, cp = initial_state is not None, segments is not None
     split = not save_states and split_output(cp, num_seqs, hv, dv, dev)
     fused = use_fused(dk, dv, save_states)
     if fused:
@@ -124,11 +129,11 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     if fused:
         o, final_state = _fused_forward(kernels.output, q, k, v, g, beta, problem, h0, use_l2, cu_seqlens)
         return o.view(batch, seq_len, hv, dv), _caller_layout(final_state, output_final_state, state_v_first), {}
-    # The V-major state kernel and the segment transitions (CP) form U = A_g V themselves (A_g
-    # from prepare_wu); without CP the V-major kernel forms W S from K and A_g too, so W is not
-    # written; the saved-state kernel reads U and W.
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states, cp),
-                       kernels.prepare, segment_target(hv, dev) if cp else 0)
+    # The V-major state kernel and the segment transitions (CP) form U = A_g V and W S from V,
+    # K and A_g themselves (A_g from prepare_wu), so W is not written; the saved-state kernel
+    # and its transitions read U and W.
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, segments.seg_chunks if cp else None,
+                       _prepare_outputs(save_states, cp), kernels.prepare, *(segments[1:] if cp else (0, 0)))
     w = prep.w if prep.w is not None else unused_buffer(dev, dtype, (1, 1, dk))
     # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major).
     u_or_v_au = (prep.u,) if save_states else (prep.v, prep.a_u)
@@ -156,7 +161,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         log_bound, trunc_flags = no_truncation(dev)
         if truncated:
             log_bound, trunc_flags = prep.log_bound, buf[transition_elems:].view(torch.int32).view(capacity, hv)
-        # The transitions read U (saved-state mode) or form it from V and A_g.
+        # The transitions read U and W (saved-state mode) or form them from V, K and A_g (w unused).
         sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
         kernels.transitions(prep.k, w, *sources, prep.gamma, prep.k_norm_inv, segs.transition_info, log_bound, seg_state,
                             trunc_flags)

@@ -5,7 +5,9 @@ operators per varlen call; each costs host time on the hot path. Here:
 
 1. ``sequence_prefix`` (one CTA): the segment length (``planning.balanced_segment_chunks``:
    the least s >= ``seg_chunks`` giving at most ``seg_target`` segments, from the lengths in
-   ``cu``), per sequence its chunk count and segment count, and their exclusive prefix sums
+   ``cu``; or with ``wave_ctas``, ``planning.wave_segment_chunks``: the s >= ``seg_chunks`` of
+   least modelled output time for ``wave_ctas`` CTAs a segment on ``seg_target`` SMs), per
+   sequence its chunk count and segment count, and their exclusive prefix sums
    (each thread sums a run of sequences, one thread scans the runs, each thread walks its run
    again writing ``seq_info`` and ``seg_meta``), plus the totals and the segment length.
 2. ``cut_pieces`` (one CTA per sequence, one more for the tail): every chunk's and segment's
@@ -19,6 +21,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from ..planning import WAVE_START_CHUNKS
 from .launch import Launcher
 
 CHUNK = 64
@@ -49,6 +52,7 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
         cu: T.Tensor((num_offsets,), index_dtype),
         seg_chunks: T.int32,
         seg_target: T.int32,
+        wave_ctas: T.int32,
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         seg_meta: T.Tensor((num_seqs, 3), "int32"),
         totals: T.Tensor((3,), "int32"),
@@ -71,6 +75,11 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
             n_segs = T.alloc_var("int32")
             carry_c = T.alloc_var("int32")
             carry_s = T.alloc_var("int32")
+            longest = T.alloc_var("int32")
+            cost = T.alloc_var("int64")
+            best_cost = T.alloc_var("int64")
+            best_len = T.alloc_var("int32")
+            best_costs = T.alloc_shared((threads,), "int64")
             per_thread = T.ceildiv(num_seqs, threads)
 
             # The segment length: the least s in [seg_chunks, hi] with at most seg_target
@@ -79,7 +88,7 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
             # grows, so thread t tries lo + t * step and the failing candidates are a prefix:
             # their count (syncthreads_count) brackets the answer for the next round.
             seg_len = seg_chunks
-            if seg_target >= num_seqs:
+            if seg_target >= num_seqs and wave_ctas == 0:
                 lo = seg_chunks
                 hi = T.max(seg_chunks, T.ceildiv(T.cast(cu[num_seqs] - cu[0], "int32"), CHUNK))
                 for _ in T.serial(SEARCH_ROUNDS):
@@ -97,6 +106,46 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
                     if failing > 0:
                         lo = base + (failing - 1) * step + 1
                 seg_len = hi
+            if wave_ctas > 0 and seg_target > 0:
+                # planning.wave_segment_chunks: every s in [seg_chunks, longest] is a candidate
+                # (the segment count does not fall steadily with s, so no bisection), thread t
+                # taking every threads-th one; then the least cost, the longest s on ties, over
+                # the threads. The longest sequence first: each thread's run, then all runs.
+                longest = 0
+                for i in T.serial(per_thread):
+                    n = tx * per_thread + i
+                    if n < num_seqs:
+                        longest = T.max(longest, T.ceildiv(T.cast(cu[n + 1] - cu[n], "int32"), CHUNK))
+                runs[0, tx] = longest
+                T.sync_threads()
+                for t in T.serial(threads):
+                    longest = T.max(longest, runs[0, t])
+                lo = seg_chunks
+                hi = T.max(seg_chunks, longest)
+                best_cost = -1
+                best_len = lo
+                for r in T.serial(T.ceildiv(hi - lo + 1, threads)):
+                    candidate = lo + r * threads + tx
+                    if candidate <= hi:
+                        count = 0
+                        for n in T.serial(num_seqs):
+                            count += T.max(1, T.ceildiv(T.ceildiv(T.cast(cu[n + 1] - cu[n], "int32"), CHUNK), candidate))
+                        cost = (T.ceildiv(T.cast(wave_ctas, "int64") * T.cast(count, "int64"), T.cast(seg_target, "int64"))
+                                * T.cast(T.min(candidate, longest) + WAVE_START_CHUNKS, "int64"))
+                        if best_cost < 0 or cost <= best_cost:  # this thread's candidates rise
+                            best_cost = cost
+                            best_len = candidate
+                best_costs[tx] = best_cost
+                runs[1, tx] = best_len
+                T.sync_threads()
+                best_cost = -1
+                seg_len = lo
+                for t in T.serial(threads):
+                    if best_costs[t] >= 0 and (best_cost < 0 or best_costs[t] < best_cost
+                                               or (best_costs[t] == best_cost and runs[1, t] > seg_len)):
+                        best_cost = best_costs[t]
+                        seg_len = runs[1, t]
+                T.sync_threads()  # every thread has read the runs before they are written again
 
             chunks_acc = 0
             segs_acc = 0

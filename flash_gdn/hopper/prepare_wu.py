@@ -13,9 +13,10 @@ here in the input dtype, ``write_au``; 8 KB per chunk and head instead of U's 16
 kernel skips V and the U product); only the forward that saves its chunk states reads U
 (``write_u``: its ``state_output`` writes h and V_new for the backward). Likewise the forward
 without context parallelism forms W S from K and A_g in its state kernel (W = A_g diag(e^gamma r)
-K, ``state_output_vmajor`` with ``form_w``), so there W is not written either (``write_w``
-False: no A_w, no W product, no 16 KB store per chunk and head); the segment transitions and
-the backward read W.
+K, ``state_output_vmajor`` with ``form_w``), and so do the CP forward's segment transitions
+(``segment_state`` with ``form_w``), so there W is not written either (``write_w`` False: no
+A_w, no W product, no 16 KB store per chunk and head); the saved-state forward and the
+backward read W.
 
 Fused L2 norm (``normalize`` = 1): K K^T's diagonal gives |k_i|^2, so with
 r_i = 1 / sqrt(|k_i|^2 + 1e-6) the normalised keys enter as K K^T -> r_i (K K^T)_ij r_j and
@@ -39,14 +40,14 @@ from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inver
 
 
 # What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound): the
-# forward's state kernel forms U from A_g and, without context parallelism, W S from K and A_g
-# too (so W is not written); the segment transitions of CP read W, and in the forward also each
-# chunk's bound on the norm of its transition (``write_bound``, for ``segment_state``'s
-# truncation); the backward also needs A_r; the forward that saves its chunk states runs
+# forward's state kernel and its CP segment transitions form U from A_g and W S from K and A_g
+# (so W is not written); the CP forward also needs each chunk's bound on the norm of its
+# transition (``write_bound``, for ``segment_state``'s truncation); the backward reads W and
+# also needs A_r; the forward that saves its chunk states runs
 # ``state_output``, which reads U and W, and keeps A_r and W for the backward. The launch code
 # and the prebuild lists (forward_builders, backward._build_kernels, variants) all take these.
 FORWARD_OUTPUTS = (False, False, True, False, False)
-FORWARD_CP_OUTPUTS = (False, False, True, True, True)
+FORWARD_CP_OUTPUTS = (False, False, True, False, True)
 BACKWARD_OUTPUTS = (True, False, True, True, False)
 SAVED_STATE_OUTPUTS = (True, True, False, True, False)
 # log_bound of a chunk in which some key may expand the state (beta |k_hat|^2 outside [0, 2]):
@@ -320,9 +321,10 @@ def _gate_rows(x: torch.Tensor, tokens: int, hv: int, gate_dtype: torch.dtype) -
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
                 outputs: tuple[bool, bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
-                seg_target: int = 0) -> Prepared:
+                seg_target: int = 0, wave_ctas: int = 0) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks or more, at most ``seg_target`` of
-    them where lengths allow: ``planning.balanced_segment_chunks``; for context parallelism) and
+    them where lengths allow: ``planning.balanced_segment_chunks``, or with ``wave_ctas``
+    ``planning.wave_segment_chunks``; for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
     write_au, write_w, write_bound), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token
     and value head.
@@ -333,7 +335,7 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     dtype, dev = q.dtype, q.device
     gate_dtype = kernel_gate_dtype(g, beta, dtype)
     qf, kf, vf, gf, bf = flat_inputs(q, k, v, g, beta, problem, gate_dtype)
-    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target)
+    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target, wave_ctas)
     num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))

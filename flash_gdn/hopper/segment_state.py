@@ -38,6 +38,17 @@ U - W X goes through shared memory:
 
     (U - W X)^T = U^T - X^T W^T,     X^T <- e^gamma_C X^T + ((U - W X)^T diag(e^(gamma_C - gamma) r)) K
 
+``form_w`` (the default forward, with ``form_u``): W is not read either. W = A_g diag(e^gamma r) K
+(``prepare_wu``), so
+
+    -X^T W^T = ((-X^T K^T) diag(e^gamma r)) A_g^T
+
+as in ``state_output_vmajor``'s ``form_w``: one X^T K^T product (as large as X^T W^T), its copy
+weighted by columns in registers, one 64-deep product with A_g^T. ``prepare_wu`` then writes no
+W at all in the CP forward, and its 16 KB per chunk and head are neither stored nor read by the
+output pass (measured in v20: the CP forward with one segment per sequence was 6-22 % slower
+than the forward without CP, the W traffic).
+
 Shared memory is the pipeline's K, W, V (or U) and A_g tiles (96 KB at K = 128), so two CTAs
 share an SM; measured against the earlier kernel that staged X and U - W X in shared memory
 (one CTA per SM, and a two-warpgroup variant for 128 columns), H200: 2/8 x 1x32768 119 ->
@@ -60,11 +71,14 @@ LOG_NEGLIGIBLE = -20.0  # log of the largest factor a truncated state part may c
 
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
-                        truncate: bool = False, num_stages: int = 2):
+                        truncate: bool = False, form_w: bool = False, num_stages: int = 2):
     """Arguments: ``(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state,
     trunc_flags)``; without ``truncate`` the last-but-two and the last are not touched (any
-    small buffer: ``no_truncation``)."""
-    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, num_stages))
+    small buffer: ``no_truncation``); with ``form_w`` (which needs ``form_u``: A_g) ``w`` is not
+    read (any small buffer)."""
+    if form_w and not form_u:
+        raise ValueError("segment_state: form_w needs form_u (W S is formed from K and A_g)")
+    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages))
 
 
 def no_truncation(device) -> tuple:
@@ -84,7 +98,7 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 
 @tilelang.jit
-def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, num_stages):
+def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -94,6 +108,8 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
     h_blocks = head_v // block_cols
     # U, V and A_g have extents of their own: the ones a variant does not read may be any small buffer.
     u_tokens, u_heads = T.dynamic("u_tokens"), T.dynamic("u_heads")
+    w_tokens = T.dynamic("w_tokens") if form_w else tokens
+    w_heads = T.dynamic("w_heads") if form_w else num_v_heads
     v_tokens, v_heads = T.dynamic("v_tokens"), T.dynamic("v_heads")
     au_chunks, au_heads = T.dynamic("au_chunks"), T.dynamic("au_heads")
     bound_heads, bound_chunks = T.dynamic("bound_heads"), T.dynamic("bound_chunks")
@@ -102,7 +118,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
     @T.prim_func
     def segment_state(
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        w: T.Tensor((w_tokens, w_heads, head_k), dtype),
         u: T.Tensor((u_tokens, u_heads, head_v), dtype),
         v: T.Tensor((v_tokens, v_heads, head_v), dtype),
         a_u: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
@@ -113,10 +129,11 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         seg_state: T.Tensor((num_segs, num_v_heads, head_k, head_v + head_k), ACCUM),
         trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
     ):
-        # Segments on grid x (up to 2^31 - 1), not y/z (65535).
-        with T.Kernel(num_segs, h_blocks + head_k // block_cols, num_v_heads, threads=128) as (seg, cb, head):
+        # Column blocks fastest, then value heads, then segments (z: at most MAX_SEGMENT_SLOTS,
+        # context_parallel): the plan's unused segment slots are dispatched last.
+        with T.Kernel(h_blocks + head_k // block_cols, num_v_heads, num_segs, threads=128) as (cb, head, seg):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            w_tile = T.alloc_shared((CHUNK, head_k), dtype)
+            w_tile = T.alloc_shared((CHUNK, head_k), dtype) if not form_w else None
             u_tile = T.alloc_shared((CHUNK, block_cols), dtype)  # U, or V with form_u
             au_tile = T.alloc_shared((CHUNK, CHUNK), dtype) if form_u else None
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
@@ -126,6 +143,10 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
             state_a = T.alloc_fragment((block_cols, head_k), dtype)  # -X^T, the A operand of - X^T W^T
             vn_t = T.alloc_fragment((block_cols, CHUNK), ACCUM)  # (U - W X)^T
             vnw_a = T.alloc_fragment((block_cols, CHUNK), dtype)  # its columns weighted, the A operand of the update
+            # form_w: -X^T K^T, and its copy weighted by e^gamma r, the A operand of the product with A_g^T.
+            sk_t = T.alloc_fragment((block_cols, CHUNK), ACCUM) if form_w else None
+            skw_a = T.alloc_fragment((block_cols, CHUNK), dtype) if form_w else None
+            w_col = T.alloc_shared((CHUNK,), ACCUM) if form_w else None
             qk_head = T.alloc_var("int32")
             seg_start = T.alloc_var("int32")
             seg_end = T.alloc_var("int32")
@@ -184,7 +205,8 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
 
             for c in T.Pipelined(T.ceildiv(seg_end - seg_start, CHUNK), num_stages=num_stages):
                 T.copy(k[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
-                T.copy(w[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+                if not form_w:
+                    T.copy(w[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
                 if form_u:
                     T.copy(v[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + block_cols], u_tile)
                     T.copy(a_u[first_chunk + c, head, 0:CHUNK, 0:CHUNK], au_tile)
@@ -201,7 +223,16 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
                 # then -X^T W^T from registers into the same accumulator.
                 for cc, i in T.Parallel(block_cols, head_k):
                     state_a[cc, i] = T.cast(-state_t[cc, i], dtype)
-                if cb < h_blocks:
+                if form_w:
+                    # -X^T W^T = ((-X^T K^T) diag(e^gamma r)) A_g^T: -X^T K^T first (with U^T = V^T
+                    # A_g^T beside it in the h blocks), then its weighted copy times A_g^T.
+                    if cb < h_blocks:
+                        T.wgmma_gemm(u_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True,
+                                     policy=ROWS)
+                    T.wgmma_gemm(state_a, k_tile, sk_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                    for i in T.Parallel(CHUNK):
+                        w_col[i] = T.__exp(gamma_s[i]) * k_inv[i]
+                elif cb < h_blocks:
                     if form_u:  # U^T = V^T A_g^T
                         T.wgmma_gemm(u_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True,
                                      policy=ROWS)
@@ -218,7 +249,17 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
                 for cc, i in T.Parallel(block_cols, head_k):
                     state_t[cc, i] = state_t[cc, i] * decay
                 T.wait_wgmma(0)
-                if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                if form_w:
+                    for cc, i in T.Parallel(block_cols, CHUNK):
+                        skw_a[cc, i] = T.cast(sk_t[cc, i] * w_col[i], dtype)
+                    if cb < h_blocks:
+                        T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, policy=ROWS)
+                    else:
+                        T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                    T.wait_wgmma(0)
+                    if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                        sink = u_tile[0, 0] + au_tile[0, 0]
+                elif length < 0:  # never: as above
                     sink = w_tile[0, 0] + u_tile[0, 0] + (au_tile[0, 0] if form_u else T.cast(0, dtype))
 
                 # X^T += ((U - W X)^T diag(e^(gamma_C - gamma) r)) K: the K_g^T of the update as

@@ -38,12 +38,14 @@ from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 @functools.lru_cache(maxsize=None)
 def build_state_output(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int = 128,
-                       num_stages: int = 2):
-    return Launcher(_state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages))
+                       in_place: bool = False, num_stages: int = 2):
+    """``in_place``: as ``state_output_vmajor``'s (context parallelism: a segment without tokens
+    neither loads nor stores its state)."""
+    return Launcher(_state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages, in_place))
 
 
 @tilelang.jit
-def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages):
+def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages, in_place=False):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -71,7 +73,13 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
         v_new: T.Tensor((stored_tokens, num_v_heads, head_v), dtype),
     ):
         # Sequences on grid x (up to 2^31 - 1): many short sequences never hit the 65535 limit of y/z.
-        with T.Kernel(num_seqs, T.ceildiv(head_v, block_v), num_v_heads, threads=threads) as (seq, vb, head):
+        # In place (CP) the segments go last (on z), as in state_output_vmajor.
+        v_blocks = -(-head_v // block_v)
+        grid = (v_blocks, num_v_heads, num_seqs) if in_place else (num_seqs, v_blocks, num_v_heads)
+        with T.Kernel(*grid, threads=threads) as (g0, g1, g2):
+            seq = g2 if in_place else g0
+            vb = g0 if in_place else g1
+            head = g1 if in_place else g2
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             w_tile = T.alloc_shared((CHUNK, head_k), dtype)
@@ -110,7 +118,11 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             seq_start = seq_info[seq, 0]
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
-            if has_initial:
+            if in_place:
+                if seq_end > seq_start:
+                    for i, j in T.Parallel(head_k, block_v):
+                        state[i, j] = initial_state[seq, head, i, v0 + j]
+            elif has_initial:
                 for i, j in T.Parallel(head_k, block_v):
                     state[i, j] = initial_state[seq, head, i, v0 + j]
             else:
@@ -185,7 +197,12 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
 
-            for i, j in T.Parallel(head_k, block_v):
-                final_state[seq, head, i, v0 + j] = state[i, j]
+            if in_place:
+                if seq_end > seq_start:
+                    for i, j in T.Parallel(head_k, block_v):
+                        final_state[seq, head, i, v0 + j] = state[i, j]
+            else:
+                for i, j in T.Parallel(head_k, block_v):
+                    final_state[seq, head, i, v0 + j] = state[i, j]
 
     return state_output

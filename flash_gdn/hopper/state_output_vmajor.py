@@ -81,12 +81,16 @@ def scale_p(pt, pt_s, gamma_s, q_col, k_inv, g_col, g_row, qc_col, kinv_row):
 
 @functools.lru_cache(maxsize=None)
 def build_state_output_vmajor(head_k: int, head_v: int, dtype: str, has_initial: bool, form_w: bool = False,
-                              num_stages: int = 2, split_v: bool = False):
-    return Launcher(_state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages, split_v))
+                              num_stages: int = 2, split_v: bool = False, in_place: bool = False):
+    """``in_place`` (context parallelism): the start states are read from and the end states
+    written to one buffer, the segment states, so a segment without tokens leaves its state as
+    it is: no load, no store (the plan's unused capacity, sized from shapes, costs a launch only)."""
+    return Launcher(_state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages, split_v,
+                                                in_place))
 
 
 @tilelang.jit
-def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages, split_v=False):
+def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages, split_v=False, in_place=False):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -101,6 +105,11 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
     block_v = head_v // v_blocks
     threads = 128 * (block_v // 64)
     q_sign = 1.0 if form_w else -1.0
+    # Sequences on grid x (up to 2^31 - 1), except in place (CP), where value heads go first so
+    # that the plan's unused segment slots (numbered after the used ones) are dispatched last
+    # rather than between every head's segments (16/64 x 16384+16384 with the sequences whole:
+    # 1088 of 1216 CTAs empty); segments on y (at most MAX_SEGMENT_SLOTS, context_parallel).
+    grid = (num_v_heads * v_blocks, num_seqs) if in_place else (num_seqs, num_v_heads * v_blocks)
 
     @T.prim_func
     def state_output_vmajor(
@@ -118,7 +127,9 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
         o: T.Tensor((tokens, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
-        with T.Kernel(num_seqs, num_v_heads * v_blocks, threads=threads) as (seq, head_block):
+        with T.Kernel(*grid, threads=threads) as (g0, g1):
+            seq = g1 if in_place else g0
+            head_block = g0 if in_place else g1
             head = head_block // v_blocks
             v0 = (head_block % v_blocks) * block_v
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
@@ -173,7 +184,11 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
             seq_start = seq_info[seq, 0]
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
-            if has_initial:
+            if in_place:
+                if seq_end > seq_start:
+                    for vr, i in T.Parallel(block_v, head_k):
+                        state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
+            elif has_initial:
                 for vr, i in T.Parallel(block_v, head_k):
                     state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
             else:
@@ -285,7 +300,12 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
 
             if not split_v:
                 T.tma_store_wait(0)  # the last chunk's O store, before the CTA's shared memory goes
-            for vr, i in T.Parallel(block_v, head_k):
-                final_state[seq, head, i, v0 + vr] = state_t[vr, i]
+            if in_place:
+                if seq_end > seq_start:
+                    for vr, i in T.Parallel(block_v, head_k):
+                        final_state[seq, head, i, v0 + vr] = state_t[vr, i]
+            else:
+                for vr, i in T.Parallel(block_v, head_k):
+                    final_state[seq, head, i, v0 + vr] = state_t[vr, i]
 
     return state_output_vmajor

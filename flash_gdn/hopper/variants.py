@@ -39,27 +39,32 @@ def kernel_builders(head_dim: int, dtype: str):
     # Outputs (write_inverse, write_u, write_au, write_w, write_bound): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
-    # skip_first_m: the forward's without an initial state. truncate: the default forward's
-    # (form_u); the saved-state forward's (not form_u) and the backward's are exact.
-    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr}]",
-                  lambda fu=fu, skip=skip, tr=tr: build_segment_state(d, d, dtype, fu, skip, tr))
-                 for fu, skip, tr in ((True, False, True), (True, True, True),  # the default forward
-                                      (False, False, False), (False, True, False),  # the saved-state forward
-                                      (True, False, False))]  # the backward recomputing (and saved: F, F, F)
+    # skip_first_m: the forward's without an initial state. truncate and form_w: the default
+    # forward's (form_u); the saved-state forward's (not form_u) and the backward's are exact
+    # and read W.
+    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr},form_w={fw}]",
+                  lambda fu=fu, skip=skip, tr=tr, fw=fw: build_segment_state(d, d, dtype, fu, skip, tr, fw))
+                 for fu, skip, tr, fw in ((True, False, True, True), (True, True, True, True),  # the default forward
+                                          (False, False, False, False), (False, True, False, False),  # saved-state fwd
+                                          (True, False, False, False))]  # the backward recomputing (saved: F, F, F, F)
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
         builders += [(f"segment_scan[init={init},reverse={rev},truncated={tr}]",
                       lambda init=init, rev=rev, tr=tr: build_segment_scan(d, d, init, rev, tr))
                      for init, rev, tr in itertools.product((False, True), (False, True), (False, True))
                      if not (rev and tr)]
     # The forward's output pass; state_output only in the mode that writes the chunk states.
-    builders += [(f"state_output[{dtype},h0={h0}]", lambda h0=h0: build_state_output(d, d, dtype, h0, d))
-                 for h0 in (False, True)]
-    # form_w (W S from K and A_g) without CP; with CP (always an initial state) W is read.
-    # split_v (two CTAs per sequence and head) at V = 128 where W is formed (forward.split_output).
-    builders += [(f"state_output_vmajor[{dtype},h0={h0},form_w={fw},split_v={sv}]",
-                  lambda h0=h0, fw=fw, sv=sv: build_state_output_vmajor(d, d, dtype, h0, fw, split_v=sv))
-                 for h0, fw in ((False, True), (True, True), (True, False))
-                 for sv in sorted({False, fw and d == 128})]
+    # in_place: with CP (always an initial state, the segment states).
+    builders += [(f"state_output[{dtype},h0={h0},in_place={ip}]",
+                  lambda h0=h0, ip=ip: build_state_output(d, d, dtype, h0, d, in_place=ip))
+                 for h0, ip in ((False, False), (True, False), (True, True))]
+    # form_w (W S from K and A_g): the forward, with CP too (in_place). split_v (two CTAs per
+    # sequence and head) at V = 128 without CP (forward.split_output).
+    builders += [(f"state_output_vmajor[{dtype},h0={h0},form_w=True,split_v={sv},in_place=False]",
+                  lambda h0=h0, sv=sv: build_state_output_vmajor(d, d, dtype, h0, True, split_v=sv))
+                 for h0 in (False, True)
+                 for sv in sorted({False, d == 128})]
+    builders.append((f"state_output_vmajor[{dtype},h0=True,form_w=True,split_v=False,in_place=True]",
+                     lambda: build_state_output_vmajor(d, d, dtype, True, True, in_place=True)))
     return builders
 
 

@@ -76,6 +76,37 @@ def test_segment_size_aims_at_one_output_cta_per_sm(monkeypatch):
     assert cp.segment_chunks_for(1, 8, 512, dev) is None
 
 
+def test_below_the_band_one_or_two_sequences_are_cut_by_the_device(monkeypatch):
+    from flash_gdn.hopper import context_parallel as cp
+
+    monkeypatch.setattr(cp, "num_sms", lambda index: 132)
+    monkeypatch.delenv("FLASH_GDN_CP", raising=False)
+    monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
+    dev = torch.device("cuda", 0)
+    wave = cp.SegmentRule(cp.WAVE_MIN_SEGMENT_CHUNKS, 132, 48)
+    assert cp.forward_segments(2, 48, 514, dev, varlen=True) == wave  # 16/48 x 28672+4096 and the like
+    assert cp.forward_segments(2, 64, 130, dev, varlen=True) == wave._replace(wave_ctas=64)  # 16/64 x 4096+4096
+    # The two-segment band: the same device choice for one or two sequences, balanced for more.
+    assert cp.forward_segments(2, 32, 514, dev, varlen=True) == wave._replace(wave_ctas=32)  # 8/32 x 28672+4096
+    assert cp.forward_segments(1, 48, 513, dev, varlen=True) == wave  # 16/48 x 1x32768
+    assert cp.forward_segments(2, 32, 66, dev, varlen=True) is None  # 8/32 x 2048+2048: off, as segment_chunks_for
+    assert cp.forward_segments(4, 16, 516, dev, varlen=True) == cp.SegmentRule(65, 8, 0)  # 4/16 x 8192x4
+    assert cp.forward_segments(1, 8, 512, dev) == cp.SegmentRule(32, 16, 0)  # 2/8 x 1x32768: above the band
+    assert cp.forward_segments(4, 48, 516, dev, varlen=True) is None  # four sequences: off
+    assert cp.forward_segments(2, 48, 33, dev, varlen=True) is None  # nothing to cut
+    # Without cu_seqlens the lengths are known: equal ones are cut only where it pays.
+    assert cp.forward_segments(2, 48, 512, dev) == wave  # 16/48 x 2 x 16384: 64-chunk segments pay
+    assert cp.forward_segments(2, 64, 512, dev) is None  # 16/64 x 2 x 16384: one wave, whole
+    monkeypatch.setenv("FLASH_GDN_CP", "0")
+    assert cp.forward_segments(2, 48, 514, dev, varlen=True) is None
+    monkeypatch.setenv("FLASH_GDN_CP", "1")
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "16")
+    assert cp.forward_segments(2, 48, 514, dev, varlen=True) == cp.SegmentRule(16, 0, 0)  # forced: as given
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "1")  # more segment slots than a grid axis holds
+    assert cp.forward_segments(2, 48, 70000, dev, varlen=True) is None
+    assert cp.backward_segment_chunks_for(2, 48, 70000, dev) is None
+
+
 def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkeypatch):
     from flash_gdn.hopper import context_parallel as cp
 

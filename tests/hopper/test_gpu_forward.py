@@ -184,6 +184,26 @@ def test_context_parallel_on_and_off_agree(monkeypatch):
         assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
 
 
+@pytest.mark.parametrize("h0", [False, True])
+def test_context_parallel_below_the_band_cut_on_the_device(monkeypatch, h0):
+    """Below the CP band (more value heads than SMs / 2 N) the device picks the segment length
+    from the lengths (planning.wave_segment_chunks): here 12 SMs, 8 value heads and a long and
+    a short sequence (79 and 8 chunks), the long one cut in two (24 CTAs in two waves of 50
+    chunk steps against 16 CTAs in two of 89)."""
+    from flash_gdn.hopper import context_parallel as cp
+    from flash_gdn.planning import chunk_capacity, plan_for
+
+    monkeypatch.setattr(cp, "num_sms", lambda index: 12)
+    lengths = [5000, 500]
+    cu = random_cu_seqlens(lengths, device="cuda")
+    rule = cp.forward_segments(2, 8, chunk_capacity(1, 5500, 2, True), torch.device("cuda"), varlen=True)
+    assert rule == cp.SegmentRule(32, 12, 8)
+    segs = plan_for(1, 5500, cu, torch.device("cuda"), *rule).segments
+    assert segs.num_segs.tolist() == [2, 1] and segs.seg_info[0, 1].item() == 40 * 64
+    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 3.0), zero_decay_heads=2, n=2, h0=h0)
+    _check(inputs, cu_seqlens=cu)
+
+
 def test_batch_plan_first_built_inside_a_capture_is_not_reused_eagerly():
     chunk_gated_delta_rule(**_inputs(64, 2, 8, 128, batch=2))  # compile outside capture
     torch.cuda.synchronize()

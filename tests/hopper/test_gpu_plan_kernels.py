@@ -15,21 +15,25 @@ CASES = {
     "empty_only": [0, 0, 0],
     "many_short": [int(x) for x in torch.randint(0, 200, (3000,), generator=torch.Generator().manual_seed(1))],
     "long_and_short": [28672, 4096],
+    "short_and_long": [1024, 7168],
 }
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("seg_chunks,seg_target", [(None, 0), (1, 0), (3, 0), (129, 0), (3, 5), (3, 12), (129, 4)])
+@pytest.mark.parametrize("seg_chunks,seg_target,wave_ctas", [(None, 0, 0), (1, 0, 0), (3, 0, 0), (129, 0, 0), (3, 5, 0),
+                                                             (3, 12, 0), (129, 4, 0), (32, 132, 48), (32, 132, 64),
+                                                             (2, 20, 7)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_device_plan_equals_torch_plan(case, seg_chunks, seg_target, index_dtype):
+def test_device_plan_equals_torch_plan(case, seg_chunks, seg_target, wave_ctas, index_dtype):
     """With a segment target the device searches the segment length from the lengths it reads
-    (planning.balanced_segment_chunks on the host is the reference)."""
+    (planning.balanced_segment_chunks on the host is the reference; with wave_ctas,
+    planning.wave_segment_chunks)."""
     lengths = CASES[case]
     t = sum(lengths)
     cu = random_cu_seqlens(lengths, device="cuda", dtype=index_dtype)
     with poisoned():
-        got = _device_plan(1, t, cu, torch.device("cuda"), seg_chunks, seg_target)
-    want = _torch_plan(1, t, cu.cpu(), torch.device("cpu"), seg_chunks, seg_target)
+        got = _device_plan(1, t, cu, torch.device("cuda"), seg_chunks, seg_target, wave_ctas)
+    want = _torch_plan(1, t, cu.cpu(), torch.device("cpu"), seg_chunks, seg_target, wave_ctas)
     assert torch.equal(got.chunk_bounds.cpu(), want.chunk_bounds)
     assert torch.equal(got.seq_info.cpu(), want.seq_info)
     if seg_chunks is None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_gdn import chunk_gated_delta_rule
-from flash_gdn.hopper.prepare_wu import FORWARD_CP_OUTPUTS, run_prepare
+from flash_gdn.hopper.prepare_wu import FORWARD_CP_OUTPUTS, run_prepare, unused_buffer
 from flash_gdn.hopper.segment_state import build_segment_state, transition_sources
 from flash_gdn.reference import naive_recurrence
 from flash_gdn.validation import Problem
@@ -52,8 +52,10 @@ def test_transition_windows_follow_gates_and_keys():
     with poisoned():
         seg_state = torch.empty(capacity, hv, d, 2 * d, device="cuda")
         flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
-        build_segment_state(d, d, "bfloat16", True, True, True)(
-            prep.k, prep.w, *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
+        # The default forward's variant: W S formed from K and A_g (prepare_wu wrote no W).
+        assert prep.w is None
+        build_segment_state(d, d, "bfloat16", True, True, True, True)(
+            prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
             segs.transition_info, prep.log_bound, seg_state, flags)
     expected = torch.tensor([int(truncated) for _, _, truncated in HEADS], dtype=torch.int32, device="cuda")
     for s in range(segments - 1):  # the last segment has no transition
