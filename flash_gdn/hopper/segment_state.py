@@ -46,7 +46,7 @@ U - W X goes through shared memory:
 as in ``state_output_vmajor``'s ``form_w``: one X^T K^T product (as large as X^T W^T), its copy
 weighted by columns in registers, one 64-deep product with A_g^T. ``prepare_wu`` then writes no
 W at all in the CP forward, and its 16 KB per chunk and head are neither stored nor read by the
-output pass (measured in v20: the CP forward with one segment per sequence was 6-22 % slower
+output pass (measured in v20: the CP forward with one segment per sequence was 6-16 % slower
 than the forward without CP, the W traffic).
 
 Shared memory is the pipeline's K, W, V (or U) and A_g tiles (96 KB at K = 128), so two CTAs
