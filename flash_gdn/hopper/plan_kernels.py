@@ -111,6 +111,8 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
                 # (the segment count does not fall steadily with s, so no bisection), thread t
                 # taking every threads-th one; then the least cost, the longest s on ties, over
                 # the threads. The longest sequence first: each thread's run, then all runs.
+                # (Each candidate walks every sequence: the forward asks for this with one or
+                # two, context_parallel.forward_segments.)
                 longest = 0
                 for i in T.serial(per_thread):
                     n = tx * per_thread + i
