@@ -44,7 +44,7 @@ SHORT_MIN_SEGMENT_CHUNKS = 8
 TWO_SEGMENTS, THREE_SEGMENTS = 2, 3
 BAND_SEQUENCE_CHUNKS = 64
 LONG_SEQUENCE_CHUNKS = 128
-# Below the band (wave_planned): at most WAVE_MAX_SEQS sequences, segments of at least
+# Below the band (_cut_may_pay): at most WAVE_MAX_SEQS sequences, segments of at least
 # WAVE_MIN_SEGMENT_CHUNKS chunks, their length chosen on the device (planning.wave_segment_chunks).
 WAVE_MAX_SEQS = 2
 WAVE_MIN_SEGMENT_CHUNKS = 32
@@ -64,7 +64,7 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
                      varlen: bool = False) -> SegmentRule | None:
     """The forward's context parallelism: None (off), segments of ``segment_chunks_for`` balanced
     to one wave of the output pass, or - for one or two sequences in the two-segment band
-    (where ``segment_chunks_for`` turns CP on) or below it (``wave_planned``) - segments of the
+    (where ``segment_chunks_for`` turns CP on) or below it (``_cut_may_pay``) - segments of the
     length the device finds best for the lengths it reads over one or more waves, the
     sequences whole where no cut pays. (In the band the two agree but where several waves of
     shorter segments beat one of long ones: 16/48 x 1x32768 1.018 -> 0.882 ms with 64-chunk
@@ -80,16 +80,19 @@ def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentR
     if _overridden():
         return None if seg_chunks is None else SegmentRule(seg_chunks, 0, 0)
     sms = sm_count(device)
-    if num_seqs <= WAVE_MAX_SEQS and sms // num_v_heads < THREE_SEGMENTS * num_seqs:
-        if seg_chunks is not None or wave_planned(num_seqs, num_v_heads, max_chunks, device, varlen):
-            return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
-        return None
-    return None if seg_chunks is None else SegmentRule(seg_chunks, segment_target(num_v_heads, device), 0)
+    segments_per_seq = sms // num_v_heads / num_seqs
+    if num_seqs > WAVE_MAX_SEQS or segments_per_seq >= THREE_SEGMENTS:
+        return None if seg_chunks is None else SegmentRule(seg_chunks, segment_target(num_v_heads, device), 0)
+    below_band = segments_per_seq < TWO_SEGMENTS
+    if seg_chunks is not None or (below_band and _cut_may_pay(num_seqs, num_v_heads, max_chunks, sms, varlen)):
+        return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
+    return None
 
 
-def wave_planned(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device, varlen: bool = False) -> bool:
-    """Whether one or two sequences at more value heads than the band allows (SMs / Hv < 2 N)
-    go through the CP pipeline with the device choosing the cut (``planning.wave_segment_chunks``).
+def _cut_may_pay(num_seqs: int, num_v_heads: int, max_chunks: int, sms: int, varlen: bool) -> bool:
+    """Below the two-segment band (SMs / Hv < 2 N, at most WAVE_MAX_SEQS sequences): whether
+    the call goes through the CP pipeline with the device choosing the cut
+    (``planning.wave_segment_chunks``).
 
     Sweep (H200, forward kernel time, ms, off -> best forced segment length of 32, 64, 128, with
     the transitions forming W S: docs/performance.md v20): 16/48 x 28672+4096 1.496 -> 0.886
@@ -104,11 +107,8 @@ def wave_planned(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch
     many sequences (four and more are mostly of one length; 16/48 x 8192x4 would gain 9 %,
     16/64 x 8192x4 lose 5 %) stay off, and why B equal sequences without cu_seqlens, whose
     lengths the host knows, are on only where a cut pays."""
-    if _overridden() or num_seqs > WAVE_MAX_SEQS:
-        return False
-    sms = sm_count(device)
-    if sms // num_v_heads >= TWO_SEGMENTS * num_seqs or max_chunks < TWO_SEGMENTS * WAVE_MIN_SEGMENT_CHUNKS + num_seqs:
-        return False  # the band's (segment_chunks_for), or no sequence of two segments
+    if max_chunks < TWO_SEGMENTS * WAVE_MIN_SEGMENT_CHUNKS + num_seqs:
+        return False  # no sequence of two segments
     return varlen or _cut_pays(max_chunks // num_seqs, num_seqs, num_v_heads, sms)
 
 

@@ -132,8 +132,9 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # The V-major state kernel and the segment transitions (CP) form U = A_g V and W S from V,
     # K and A_g themselves (A_g from prepare_wu), so W is not written; the saved-state kernel
     # and its transitions read U and W.
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, segments.seg_chunks if cp else None,
-                       _prepare_outputs(save_states, cp), kernels.prepare, *(segments[1:] if cp else (0, 0)))
+    seg_chunks, seg_target, wave_ctas = segments if cp else (None, 0, 0)
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states, cp),
+                       kernels.prepare, seg_target, wave_ctas)
     w = prep.w if prep.w is not None else unused_buffer(dev, dtype, (1, 1, dk))
     # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major).
     u_or_v_au = (prep.u,) if save_states else (prep.v, prep.a_u)

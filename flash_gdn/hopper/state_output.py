@@ -118,13 +118,11 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
             seq_start = seq_info[seq, 0]
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
-            if in_place:
-                if seq_end > seq_start:
+            # In place, a segment without tokens leaves its state where it is: no load, no store.
+            if has_initial:
+                if (seq_end > seq_start) if in_place else True:
                     for i, j in T.Parallel(head_k, block_v):
                         state[i, j] = initial_state[seq, head, i, v0 + j]
-            elif has_initial:
-                for i, j in T.Parallel(head_k, block_v):
-                    state[i, j] = initial_state[seq, head, i, v0 + j]
             else:
                 T.clear(state)
 
@@ -197,11 +195,7 @@ def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 if length < 0:  # never: same for k_tile
                     sink = k_tile[0, 0]
 
-            if in_place:
-                if seq_end > seq_start:
-                    for i, j in T.Parallel(head_k, block_v):
-                        final_state[seq, head, i, v0 + j] = state[i, j]
-            else:
+            if (seq_end > seq_start) if in_place else True:
                 for i, j in T.Parallel(head_k, block_v):
                     final_state[seq, head, i, v0 + j] = state[i, j]
 

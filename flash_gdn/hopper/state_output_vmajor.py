@@ -184,13 +184,11 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
             seq_start = seq_info[seq, 0]
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
-            if in_place:
-                if seq_end > seq_start:
+            # In place, a segment without tokens leaves its state where it is: no load, no store.
+            if has_initial:
+                if (seq_end > seq_start) if in_place else True:
                     for vr, i in T.Parallel(block_v, head_k):
                         state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
-            elif has_initial:
-                for vr, i in T.Parallel(block_v, head_k):
-                    state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
             else:
                 T.clear(state_t)
 
@@ -300,11 +298,7 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
 
             if not split_v:
                 T.tma_store_wait(0)  # the last chunk's O store, before the CTA's shared memory goes
-            if in_place:
-                if seq_end > seq_start:
-                    for vr, i in T.Parallel(block_v, head_k):
-                        final_state[seq, head, i, v0 + vr] = state_t[vr, i]
-            else:
+            if (seq_end > seq_start) if in_place else True:
                 for vr, i in T.Parallel(block_v, head_k):
                     final_state[seq, head, i, v0 + vr] = state_t[vr, i]
 
