@@ -227,14 +227,13 @@ def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device:
 
 
 BACKWARD_MIN_SEGMENT_CHUNKS = 16
-BACKWARD_LONG_SEQUENCE_CHUNKS = 128
 
 
 def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
     """Chunks per segment for the backward's sequential stages, or None.
 
-    Those stages run two CTAs (64 state columns each) per sequence (segment, with CP) and
-    value head; CP adds a transition pass, a second state-gradient pass and two scans whose
+    Those stages run CTAs of ``backward.state_block_v`` state columns per sequence (segment,
+    with CP) and value head (two of 64 columns with CP); CP adds a transition pass, a second state-gradient pass and two scans whose
     steps are sequential. ``max_chunks`` is the chunk capacity of the whole call. Segments are
     sized so that all of them together give about one CTA per SM (2 Hv x segments ~ SMs),
     at least ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks each.
@@ -259,8 +258,11 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
         return None if forced is None or segment_capacity(max_chunks, num_seqs, forced) > MAX_SEGMENT_SLOTS else forced
     sms = sm_count(device)
     ctas = 2 * num_seqs * num_v_heads
-    long_sequences = max_chunks >= BACKWARD_LONG_SEQUENCE_CHUNKS * num_seqs
-    if not (8 * ctas <= sms or (4 * ctas <= sms and long_sequences)):
+    # (b21) With 9-16 sequences x heads, CTAs of fewer state columns (``backward.state_block_v``)
+    # beat CP: 8/16 x 1x32768 2.145 ms with CP, 1.890 with 32-column CTAs; 8/16 x 1x8192
+    # 0.586 -> 0.516. Up to 8, CP still pays or is even: 4/8 x 1x32768 1.126 with CP, 1.153
+    # with 16-column CTAs; 2/4 x 1x32768 0.628 with CP, 1.055 with 32-column CTAs.
+    if 8 * ctas > sms:
         return None
     seg_chunks = max(BACKWARD_MIN_SEGMENT_CHUNKS, -(-max_chunks * 2 * num_v_heads // sms))
     # Only when an average sequence is cut into at least three segments: with whole

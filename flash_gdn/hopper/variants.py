@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+from .backward import STATE_BLOCKS
 from .chunk_states import build_chunk_states
 from .forward_fused import build_forward_fused
 from .kkt_solve import build_kkt_solve
@@ -78,9 +79,9 @@ def opt_in_builders(head_dim: int, dtype: str):
 
 
 def backward_kernel_builders(head_dim: int, dtype: str):
-    """The backward's kernels (the sequential stages in both column splits of ``state_block_v``)."""
+    """The backward's kernels (the sequential stages in every column split of ``state_block_v``)."""
     d = head_dim
-    blocks = sorted({d, 64})
+    blocks = sorted({d, *STATE_BLOCKS}) if d == 128 else [d]
     builders = [(f"chunk_states[{dtype},h0={h0},bv={bv}]", lambda h0=h0, bv=bv: build_chunk_states(d, d, dtype, h0, bv))
                 for h0, bv in itertools.product((False, True), blocks)]
     builders += [(f"state_grads[{dtype},dht={dht},bv={bv}]",

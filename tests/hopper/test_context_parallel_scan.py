@@ -120,10 +120,26 @@ def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkey
     assert cp.backward_segment_chunks_for(2, 16, 514, dev) is None  # 8/16 x 2 sequences
     assert cp.backward_segment_chunks_for(1, 4, 32, dev) is None  # one segment
     assert cp.backward_segment_chunks_for(4, 4, 132, dev) is None  # 2/4 x 8k_4seq: whole sequences
-    assert cp.backward_segment_chunks_for(2, 8, 514, dev) == 63  # 4/8 x 32k_2seq: long sequences
+    assert cp.backward_segment_chunks_for(2, 8, 514, dev) is None  # 4/8 x 32k_2seq: 32-column CTAs instead
     assert cp.backward_segment_chunks_for(1, 4, 64, dev) == 16  # 2/4 x 4k: 4 segments
     assert cp.backward_segment_chunks_for(2, 4, 130, dev) == 16  # 2/4 x 8k_2seq
     assert cp.backward_segment_chunks_for(2, 8, 130, dev) is None  # 4/8 x 8k_2seq: 32 CTAs, short
-    assert cp.backward_segment_chunks_for(4, 4, 516, dev) == 32  # 2/4 x 32k_4seq: 32 CTAs, 128 chunks each
-    assert cp.backward_segment_chunks_for(1, 16, 129, dev) == 32  # 8/16 x 8k_1seq
+    assert cp.backward_segment_chunks_for(4, 4, 516, dev) is None  # 2/4 x 32k_4seq: 32-column CTAs
+    assert cp.backward_segment_chunks_for(1, 16, 129, dev) is None  # 8/16 x 8k_1seq: 32-column CTAs
+    assert cp.backward_segment_chunks_for(1, 16, 512, dev) is None  # 8/16 x 32k_1seq: 32-column CTAs
     assert cp.backward_segment_chunks_for(4, 4, 260, dev) is None  # 2/4 x 4 sequences of 64 chunks
+
+
+def test_backward_column_split_narrows_only_where_sms_idle(monkeypatch):
+    from flash_gdn.hopper import backward
+
+    monkeypatch.setattr(backward, "num_sms", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    assert backward.state_block_v(128, 1, 8, dev) == 16  # 4/8 x 1 sequence: 64 CTAs a pass
+    assert backward.state_block_v(128, 1, 16, dev) == 32  # 8/16 x 1 sequence: 64
+    assert backward.state_block_v(128, 2, 8, dev) == 32  # 4/8 x 2 sequences
+    assert backward.state_block_v(128, 1, 32, dev) == 64  # 16/32 x 1 sequence
+    assert backward.state_block_v(128, 4, 16, dev) == 64  # 8/16 x 4 sequences
+    assert backward.state_block_v(128, 132, 1, dev) == 128  # runs x heads fill the SMs
+    assert backward.state_block_v(128, 9, 16, dev) == 128
+    assert backward.state_block_v(64, 1, 4, dev) == 64  # V = 64: whole

@@ -150,12 +150,25 @@ def test_hopper_backward_matches_naive_autograd(hqk, hv, l2, state_v_first):
     _check_whole_backward(LENGTHS, hqk, hv, l2, state_v_first)
 
 
-def test_hopper_backward_all_columns_per_cta(monkeypatch):
-    """The sequential stages with all of V in one CTA (the many-heads choice of state_block_v)."""
+@pytest.mark.parametrize("block_v", [128, 32, 16])
+def test_hopper_backward_any_column_split(monkeypatch, block_v):
+    """The sequential stages with all of V in one CTA (the many-heads choice of state_block_v)
+    and with the narrow splits of few sequences x heads."""
     from flash_gdn.hopper import backward
 
-    monkeypatch.setattr(backward, "state_block_v", lambda head_v, *args: head_v)
+    monkeypatch.setattr(backward, "state_block_v", lambda head_v, *args: min(block_v, head_v))
     _check_whole_backward(LENGTHS, 2, 8, True, False)
+
+
+@pytest.mark.parametrize("block_v", [32, 16])
+def test_narrow_column_splits_match_reference_stages(monkeypatch, block_v):
+    """chunk_states and state_grads in CTAs of 32 and 16 state columns: every intermediate
+    against the fp64 chunked backward, with h0 and dht, strong gates and zero-decay heads."""
+    from flash_gdn.hopper import backward
+
+    monkeypatch.setattr(backward, "state_block_v", lambda head_v, *args: min(block_v, head_v))
+    got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2)
+    _assert_stages_match(got, ref, real)
 
 
 def test_hopper_backward_batched_without_cu_seqlens():

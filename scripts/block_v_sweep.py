@@ -1,0 +1,63 @@
+"""Backward kernel time of rows under several column splits of the sequential stages
+(``backward.state_block_v``: state columns per CTA of ``chunk_states`` / ``state_grads``) and
+context-parallel settings.
+
+    python3 scripts/block_v_sweep.py 16/32:1x8192 8/16:1x32768 -- 128 64 32 16 -- off auto
+
+Prints one line per (row, CP setting, block), kernel and graph time in ms, and the busiest
+kernels of that call.
+"""
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flash_gdn.bench.timing import graph_time_ms, kernel_time_ms
+from flash_gdn.hopper import backward
+from flash_gdn.hopper.chunk_states import build_chunk_states
+from flash_gdn.hopper.prebuild import run_concurrently
+from flash_gdn.hopper.state_grads import build_state_grads
+from cp_sweep import apply  # scripts/ is on sys.path when run as a script
+from profile_kernels import row_inputs, row_step
+
+_default_block_v = backward.state_block_v
+
+
+def per_kernel(step, iters=3):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key.replace("_kernel", ""), e.device_time_total / iters) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return " ".join(f"{n}={us:.0f}" for n, us in sorted(rows, key=lambda r: -r[1])[:6])
+
+
+def main(argv):
+    parts = " ".join(argv).split(" -- ")
+    rows = parts[0].split()
+    blocks = [int(b) for b in parts[1].split()] if len(parts) > 1 else [128, 64, 32]
+    settings = parts[2].split() if len(parts) > 2 else ["off", "auto"]
+    # bf16, K = V = 128: every block's sequential kernels compiled side by side first.
+    run_concurrently([lambda b=b, i=i: build_chunk_states(128, 128, "bfloat16", i, b) for b in blocks for i in (False, True)]
+                     + [lambda b=b, d=d: build_state_grads(128, 128, "bfloat16", d, b) for b in blocks for d in (False, True)])
+    for spec in rows:
+        apply("auto")
+        backward.state_block_v = _default_block_v
+        step = row_step(row_inputs(spec), True)
+        for setting in settings:
+            apply(setting)
+            for block in blocks:
+                backward.state_block_v = lambda head_v, runs, hv, dev, b=block: min(b, head_v)
+                step()
+                kernel = kernel_time_ms(step, 10)
+                graph = graph_time_ms(step, 10)
+                print(f"{spec:18s} cp={setting:5s} block_v={block:3d} kernel {kernel:7.3f} graph {graph:7.3f}  "
+                      f"{per_kernel(step)}", flush=True)
+    apply("auto")
+    backward.state_block_v = _default_block_v
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
