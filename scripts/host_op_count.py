@@ -65,8 +65,8 @@ def main(specs, backward_too=True, where=False):
     patches.append(mock.patch.object(backward, "num_sms", lambda i: 132))
     # (through the cache of recent cu_seqlens plans, as on a GPU: the counted call is a repeat)
     patches.append(mock.patch.object(planning, "_current_stream", lambda d: 0))
-    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None, st=0: planning._recent_device_plan(b, t, cu, d, s, st)
-                                     if cu is not None else planning._batch_plan(b, t, d, s, st)))
+    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None, st=0, w=0: planning._recent_device_plan(b, t, cu, d, s, st, w)
+                                     if cu is not None else planning._batch_plan(b, t, d, s, st, w)))
     for p in patches:
         p.start()
     for spec in specs:
@@ -91,7 +91,11 @@ def main(specs, backward_too=True, where=False):
             do = torch.empty_like(v)
             with Count(where) as c:
                 api.chunk_gated_delta_rule_bwd(do, None, saved)
-            c.report(f"{spec}: backward")
+            t0 = time.perf_counter()
+            for _ in range(20):
+                api.chunk_gated_delta_rule_bwd(do, None, saved)
+            host = (time.perf_counter() - t0) / 20 * 1e6
+            c.report(f"{spec}: backward ({host:.0f} us host on meta)")
 
 
 if __name__ == "__main__":
