@@ -63,7 +63,7 @@ def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.de
 
     At V = 128 where runs (sequences, or segments with CP) x value heads leave SMs idle: the
     narrowest block of ``STATE_BLOCKS`` with which this pass and ``chunk_states`` beside it
-    (two streams) together stay within one CTA per SM, and at least half of V. A CTA's chunk
+    (two streams) together stay within one CTA per SM, else half of V. A CTA's chunk
     step is a chain of dependent products, so a narrower block shortens it less than it
     narrows it and pays only where SMs would otherwise idle. Measured (H200, backward kernel
     time, CP off, ms, blocks of 64 / 32 / 16 columns): 8/16 x 1x32768 2.168 / 1.890 / 2.178,

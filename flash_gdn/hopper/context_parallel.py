@@ -233,8 +233,9 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
     """Chunks per segment for the backward's sequential stages, or None.
 
     Those stages run CTAs of ``backward.state_block_v`` state columns per sequence (segment,
-    with CP) and value head (two of 64 columns with CP); CP adds a transition pass, a second state-gradient pass and two scans whose
-    steps are sequential. ``max_chunks`` is the chunk capacity of the whole call. Segments are
+    with CP) and value head (64 columns with CP: two CTAs per segment and head, as sized
+    here); CP adds a transition pass, a second state-gradient pass and two scans whose steps
+    are sequential. ``max_chunks`` is the chunk capacity of the whole call. Segments are
     sized so that all of them together give about one CTA per SM (2 Hv x segments ~ SMs),
     at least ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks each.
 
