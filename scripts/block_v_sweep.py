@@ -49,7 +49,7 @@ def main(argv):
         for setting in settings:
             apply(setting)
             for block in blocks:
-                backward.state_block_v = lambda head_v, runs, hv, dev, b=block: min(b, head_v)
+                backward.state_block_v = lambda head_v, runs, hv, dev, run_chunks=None, b=block: min(b, head_v)
                 step()
                 kernel = kernel_time_ms(step, 10)
                 graph = graph_time_ms(step, 10)

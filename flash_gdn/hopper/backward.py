@@ -55,9 +55,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 STATE_BLOCKS = (16, 32, 64)  # column splits of the sequential stages at V = 128, narrowest first
+SHORT_RUN_CHUNKS = 32  # runs this short (chunks on average) take 32 columns a CTA where one wave holds them
 
 
-def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.device) -> int:
+def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.device,
+                  run_chunks: int | None = None) -> int:
     """State columns per CTA in the sequential stages (``chunk_states``, ``state_grads``; the
     columns of a state evolve independently, so any split is exact).
 
@@ -65,20 +67,28 @@ def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.de
     narrowest block of ``STATE_BLOCKS`` with which this pass and ``chunk_states`` beside it
     (two streams) together stay within one CTA per SM, else half of V. A CTA's chunk
     step is a chain of dependent products, so a narrower block shortens it less than it
-    narrows it and pays only where SMs would otherwise idle. Measured (H200, backward kernel
-    time, CP off, ms, blocks of 64 / 32 / 16 columns): 8/16 x 1x32768 2.168 / 1.890 / 2.178,
-    8/16 x 1x8192 0.581 / 0.516 / 0.573, 4/8 x 1x32768 1.606 / 1.297 / 1.153, 16/32 x 1x8192
-    0.887 / 0.932 / 1.112, 4/8 x 8192x4 0.896 / 0.940 (128: 1.035), 8/16 x 8192x4 1.694 /
-    1.850 (128: 1.735)."""
+    narrows it and pays only where SMs would otherwise idle. Two refinements (b22, measured):
+    where half-V CTAs of this pass alone would not fit in one wave (2 x runs x heads > SMs), all
+    of V; and runs of at most ``SHORT_RUN_CHUNKS`` chunks (``run_chunks``: the average, from
+    shapes) take 32 columns as long as this pass alone fits in one wave, their time being
+    mostly the fill and drain of the chain.
+    Measured (H200, backward kernel time, CP off, ms, blocks of 64 / 32 / 16 columns): 8/16 x
+    1x32768 2.168 / 1.890 / 2.178, 8/16 x 1x8192 0.581 / 0.516 / 0.573, 4/8 x 1x32768 1.606 /
+    1.297 / 1.153, 16/32 x 1x8192 0.887 / 0.932 / 1.112, 4/8 x 8192x4 0.896 / 0.940 (128:
+    1.035), 8/16 x 8192x4 1.694 / 1.850 (128: 1.735); 128 / 64 columns: 8/16 x 1024x8 0.453 /
+    0.468, 16/32 x 2048x4 0.861 / 0.874; 64 / 32: 2/4 x 1024x8 0.160 / 0.147, 16/32 x 1x2048
+    0.284 / 0.267, 16/32 x 1x4096 0.480 / 0.493."""
     if head_v != 128:
         return head_v
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms, ctas = num_sms(index), num_runs * num_v_heads
-    if ctas >= sms:
+    if 2 * ctas > sms:
         return head_v
     for block in STATE_BLOCKS[:-1]:
         if 2 * ctas * (head_v // block) <= sms:
             return block
+    if run_chunks is not None and run_chunks <= SHORT_RUN_CHUNKS and ctas * (head_v // 32) <= sms:
+        return 32
     return STATE_BLOCKS[-1]
 
 
@@ -240,7 +250,8 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, max_chunks: int, pro
     else:
         cp = seg_chunks is not None
         runs = segment_capacity(max_chunks, problem.num_seqs, seg_chunks) if cp else problem.num_seqs
-    return cp, state_block_v(problem.head_v, runs, problem.num_v_heads, dev)
+    run_chunks = -(-problem.batch * problem.seq_len // (CHUNK * max(1, runs)))  # the average run's chunks
+    return cp, state_block_v(problem.head_v, runs, problem.num_v_heads, dev, run_chunks)
 
 
 def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block_v, saved):
