@@ -2,8 +2,10 @@
 (``backward.state_block_v``: state columns per CTA of ``chunk_states`` / ``state_grads``) and
 context-parallel settings.
 
-    python3 scripts/block_v_sweep.py 16/32:1x8192 8/16:1x32768 -- 128 64 32 16 -- off auto
+    python3 scripts/block_v_sweep.py 16/32:1x8192 8/16:1x32768 -- 128 64 32 16 64s3 -- off auto
 
+A block written ``64s32`` builds ``chunk_states`` with three pipeline stages and
+``state_grads`` with two (without the suffix: their defaults).
 Prints one line per (row, CP setting, block), kernel and graph time in ms, and the busiest
 kernels of that call.
 """
@@ -22,6 +24,14 @@ from cp_sweep import apply  # scripts/ is on sys.path when run as a script
 from profile_kernels import row_inputs, row_step
 
 _default_block_v = backward.state_block_v
+_builders = (backward.build_chunk_states, backward.build_state_grads)
+
+
+def _use_stages(stages):
+    """The backward's sequential kernels built with ``stages`` = (chunk_states', state_grads')
+    pipeline stages."""
+    backward.build_chunk_states = lambda *a: build_chunk_states(*a, num_stages=stages[0])
+    backward.build_state_grads = lambda *a: build_state_grads(*a, num_stages=stages[1])
 
 
 def per_kernel(step, iters=3):
@@ -37,26 +47,31 @@ def per_kernel(step, iters=3):
 def main(argv):
     parts = " ".join(argv).split(" -- ")
     rows = parts[0].split()
-    blocks = [int(b) for b in parts[1].split()] if len(parts) > 1 else [128, 64, 32]
+    blocks = [(int(b.split("s")[0]), tuple(int(x) for x in b.split("s")[1]) if "s" in b else (None, None))
+              for b in (parts[1].split() if len(parts) > 1 else ["128", "64", "32"])]
     settings = parts[2].split() if len(parts) > 2 else ["off", "auto"]
     # bf16, K = V = 128: every block's sequential kernels compiled side by side first.
-    run_concurrently([lambda b=b, i=i: build_chunk_states(128, 128, "bfloat16", i, b) for b in blocks for i in (False, True)]
-                     + [lambda b=b, d=d: build_state_grads(128, 128, "bfloat16", d, b) for b in blocks for d in (False, True)])
+    run_concurrently([lambda b=b, i=i: build_chunk_states(128, 128, "bfloat16", i, b[0], num_stages=b[1][0])
+                      for b in blocks for i in (False, True)]
+                     + [lambda b=b, d=d: build_state_grads(128, 128, "bfloat16", d, b[0], num_stages=b[1][1])
+                        for b in blocks for d in (False, True)])
     for spec in rows:
         apply("auto")
         backward.state_block_v = _default_block_v
         step = row_step(row_inputs(spec), True)
         for setting in settings:
             apply(setting)
-            for block in blocks:
+            for block, stages in blocks:
                 backward.state_block_v = lambda head_v, runs, hv, dev, run_chunks=None, b=block: min(b, head_v)
+                _use_stages(stages)
                 step()
                 kernel = kernel_time_ms(step, 10)
                 graph = graph_time_ms(step, 10)
-                print(f"{spec:18s} cp={setting:5s} block_v={block:3d} kernel {kernel:7.3f} graph {graph:7.3f}  "
+                print(f"{spec:18s} cp={setting:5s} block_v={block:3d}s{stages[0] or '-'}{stages[1] or '-'} kernel {kernel:7.3f} graph {graph:7.3f}  "
                       f"{per_kernel(step)}", flush=True)
     apply("auto")
     backward.state_block_v = _default_block_v
+    backward.build_chunk_states, backward.build_state_grads = _builders
 
 
 if __name__ == "__main__":

@@ -28,10 +28,21 @@ from .launch import Launcher
 from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 
+# Pipeline stages of the sequential backward kernels at 32 or 16 columns a CTA (b22, H200, backward
+# kernel time, 2 -> 3 stages in both: 8/16 x 1x32768 1.900 -> 1.861 ms, 8/16 x 1x8192 0.512 ->
+# 0.500, 4/8 x 16384x2 0.977 -> 0.959). At 64 columns a third stage does not fit state_grads'
+# shared memory, and chunk_states alone gains nothing from it.
+NARROW_STAGES = 3
+
+
 @functools.lru_cache(maxsize=None)
 def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, block_v: int | None = None,
-                      num_stages: int = 2):
-    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v or head_v, num_stages))
+                      num_stages: int | None = None):
+    """``num_stages`` (TMA pipeline depth) by default ``NARROW_STAGES`` for CTAs of 32 columns or fewer
+    (the loads run two chunks ahead of a shorter chain step), else 2."""
+    block_v = block_v or head_v
+    stages = num_stages or (NARROW_STAGES if block_v <= 32 else 2)
+    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, stages))
 
 
 @tilelang.jit
