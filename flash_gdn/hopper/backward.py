@@ -250,6 +250,8 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, max_chunks: int, pro
     else:
         cp = seg_chunks is not None
         runs = segment_capacity(max_chunks, problem.num_seqs, seg_chunks) if cp else problem.num_seqs
+    if cp:  # segments are sized for two CTAs of half of V each (context_parallel.backward_segment_chunks_for)
+        return cp, min(problem.head_v, STATE_BLOCKS[-1])
     run_chunks = -(-problem.batch * problem.seq_len // (CHUNK * max(1, runs)))  # the average run's chunks
     return cp, state_block_v(problem.head_v, runs, problem.num_v_heads, dev, run_chunks)
 

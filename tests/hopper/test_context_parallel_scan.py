@@ -152,3 +152,23 @@ def test_backward_column_split_narrows_only_where_sms_idle(monkeypatch):
     assert backward.state_block_v(128, 1, 32, dev, run_chunks=32) == 32  # 16/32 x 1x2048
     assert backward.state_block_v(128, 1, 32, dev, run_chunks=64) == 64  # 16/32 x 1x4096
     assert backward.state_block_v(128, 8, 8, dev, run_chunks=16) == 64  # 4/8 x 1024x8: 256 CTAs
+
+
+def test_backward_segments_keep_half_v_columns(monkeypatch):
+    """With CP the backward's segments are sized for two CTAs of half of V per segment and head,
+    so the column split stays at 64 there whatever the segment count (b22: all of V over ~70
+    segment x head runs made 4/8 x 1x32768 7 % slower)."""
+    from flash_gdn.hopper import backward
+    from flash_gdn.hopper import context_parallel as cpm
+    from flash_gdn.planning import chunk_capacity
+    from flash_gdn.validation import Problem
+
+    monkeypatch.setattr(backward, "num_sms", lambda index: 132)
+    monkeypatch.setattr(cpm, "sm_count", lambda device: 132)
+    dev = torch.device("cuda", 0)
+    for hqk, hv, total, seqs in [(4, 8, 32768, 1), (4, 8, 8192, 1), (2, 4, 32768, 2)]:
+        problem = Problem(1, total, hqk, hv, 128, 128, seqs, 0.1)
+        max_chunks = chunk_capacity(1, total, seqs, True)
+        seg_chunks = backward.backward_segment_chunks_for(seqs, hv, max_chunks, dev)
+        assert seg_chunks is not None
+        assert backward._sequential_layout({}, seg_chunks, max_chunks, problem, dev) == (True, 64)
