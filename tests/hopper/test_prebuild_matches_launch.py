@@ -55,7 +55,7 @@ def recorder(monkeypatch):
         monkeypatch.setattr(module, "build_together", rec.build_together)
     monkeypatch.setattr(forward, "_KERNELS", {})  # (launchers resolved by earlier tests)
     monkeypatch.setattr(context_parallel, "sm_count", lambda device: 132)  # an H200's SMs
-    monkeypatch.setattr(backward, "state_block_v", lambda dv, runs, hv, dev: 64 if runs * hv < 132 else dv)
+    monkeypatch.setattr(backward, "state_block_v", lambda dv, runs, hv, dev, run_chunks=None: 64 if runs * hv < 132 else dv)
     monkeypatch.setattr(backward, "CONCURRENT_CHUNK_STATES", False)  # no CUDA streams on the CPU
     monkeypatch.delenv("FLASH_GDN_CP", raising=False)
     monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
