@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import chunk_capacity, segment_capacity
+from ..planning import chunk_capacity
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .context_parallel import backward_segment_chunks_for, num_sms, segment_target
@@ -63,7 +63,7 @@ def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.de
     """State columns per CTA in the sequential stages (``chunk_states``, ``state_grads``; the
     columns of a state evolve independently, so any split is exact).
 
-    At V = 128 where runs (sequences, or segments with CP) x value heads leave SMs idle: the
+    At V = 128 where runs (sequences; CP takes half of V, ``_sequential_layout``) x value heads leave SMs idle: the
     narrowest block of ``STATE_BLOCKS`` with which this pass and ``chunk_states`` beside it
     (two streams) together stay within one CTA per SM, else half of V. A CTA's chunk
     step is a chain of dependent products, so a narrower block shortens it less than it
@@ -108,7 +108,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     saved = saved or {}
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
-    cp, block_v = _sequential_layout(saved, seg_chunks, max_chunks, problem, dev)
+    cp, block_v = _sequential_layout(saved, seg_chunks, problem, dev)
     _build_kernels(problem, tl_dtype, TL_DTYPE[kernel_gate_dtype(g, beta, dtype)], cu_seqlens, initial_state, dht,
                    cp, block_v, saved)
     # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
@@ -236,24 +236,18 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     return grads
 
 
-def _sequential_layout(saved: dict, seg_chunks: int | None, max_chunks: int, problem: Problem,
-                       dev: torch.device) -> tuple[bool, int]:
+def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, dev: torch.device) -> tuple[bool, int]:
     """(context parallelism on, state columns per CTA) of the sequential stages, from shapes.
 
-    Context parallelism (as in the forward) when ``seg_chunks`` asks for it. With the forward's
-    saved plan, its segments are walked (a plan without them, CP off in the forward, runs
-    without), so the column split follows that plan's segment count."""
-    if "prepared" in saved:
-        plan = saved["prepared"].plan
-        cp = seg_chunks is not None and plan.segments is not None
-        runs = (plan.segments.seg_info if cp else plan.seq_info).shape[0]
-    else:
-        cp = seg_chunks is not None
-        runs = segment_capacity(max_chunks, problem.num_seqs, seg_chunks) if cp else problem.num_seqs
-    if cp:  # segments are sized for two CTAs of half of V each (context_parallel.backward_segment_chunks_for)
+    Context parallelism (as in the forward) when ``seg_chunks`` asks for it; with the forward's
+    saved plan, only if that plan has segments (CP off in the forward: the backward runs
+    without). CP segments are sized for two CTAs of half of V per segment and head
+    (``context_parallel.backward_segment_chunks_for``); without CP, ``state_block_v``."""
+    cp = seg_chunks is not None and ("prepared" not in saved or saved["prepared"].plan.segments is not None)
+    if cp:
         return cp, min(problem.head_v, STATE_BLOCKS[-1])
-    run_chunks = -(-problem.batch * problem.seq_len // (CHUNK * max(1, runs)))  # the average run's chunks
-    return cp, state_block_v(problem.head_v, runs, problem.num_v_heads, dev, run_chunks)
+    run_chunks = -(-problem.batch * problem.seq_len // (CHUNK * max(1, problem.num_seqs)))  # the average sequence's chunks
+    return cp, state_block_v(problem.head_v, problem.num_seqs, problem.num_v_heads, dev, run_chunks)
 
 
 def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block_v, saved):

@@ -21,18 +21,16 @@ import tilelang
 import tilelang.language as T
 
 from .launch import Launcher
-from .state_grads import NARROW_STAGES
+from .state_grads import sequential_stages
 from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 
 @functools.lru_cache(maxsize=None)
 def build_chunk_states(head_k: int, head_v: int, dtype: str, has_initial: bool, block_v: int | None = None,
                        num_stages: int | None = None):
-    """``num_stages`` (TMA pipeline depth) by default ``state_grads.NARROW_STAGES`` for CTAs of 32 columns or fewer
-    (the loads run two chunks ahead of a shorter chain step), else 2."""
+    """``num_stages``: TMA pipeline depth (default ``state_grads.sequential_stages``)."""
     block_v = block_v or head_v
-    stages = num_stages or (NARROW_STAGES if block_v <= 32 else 2)
-    return Launcher(_chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, stages))
+    return Launcher(_chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages or sequential_stages(block_v)))
 
 
 @tilelang.jit

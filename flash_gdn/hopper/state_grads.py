@@ -35,14 +35,18 @@ from .tiles import ACCUM, CHUNK, store_chunk_rows
 NARROW_STAGES = 3
 
 
+def sequential_stages(block_v: int) -> int:
+    """Default TMA pipeline depth of ``state_grads`` and ``chunk_states`` at ``block_v`` columns a CTA:
+    ``NARROW_STAGES`` at 32 or fewer (the loads run two chunks ahead of a shorter chain step), else 2."""
+    return NARROW_STAGES if block_v <= 32 else 2
+
+
 @functools.lru_cache(maxsize=None)
 def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, block_v: int | None = None,
                       num_stages: int | None = None):
-    """``num_stages`` (TMA pipeline depth) by default ``NARROW_STAGES`` for CTAs of 32 columns or fewer
-    (the loads run two chunks ahead of a shorter chain step), else 2."""
+    """``num_stages``: TMA pipeline depth (default ``sequential_stages``)."""
     block_v = block_v or head_v
-    stages = num_stages or (NARROW_STAGES if block_v <= 32 else 2)
-    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, stages))
+    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages or sequential_stages(block_v)))
 
 
 @tilelang.jit

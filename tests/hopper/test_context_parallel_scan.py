@@ -171,4 +171,4 @@ def test_backward_segments_keep_half_v_columns(monkeypatch):
         max_chunks = chunk_capacity(1, total, seqs, True)
         seg_chunks = backward.backward_segment_chunks_for(seqs, hv, max_chunks, dev)
         assert seg_chunks is not None
-        assert backward._sequential_layout({}, seg_chunks, max_chunks, problem, dev) == (True, 64)
+        assert backward._sequential_layout({}, seg_chunks, problem, dev) == (True, 64)
