@@ -246,7 +246,8 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
     cp = seg_chunks is not None and ("prepared" not in saved or saved["prepared"].plan.segments is not None)
     if cp:
         return cp, min(problem.head_v, STATE_BLOCKS[-1])
-    run_chunks = -(-problem.batch * problem.seq_len // (CHUNK * max(1, problem.num_seqs)))  # the average sequence's chunks
+    # the average sequence's chunks
+    run_chunks = -(-problem.batch * problem.seq_len // (CHUNK * max(1, problem.num_seqs)))
     return cp, state_block_v(problem.head_v, problem.num_seqs, problem.num_v_heads, dev, run_chunks)
 
 

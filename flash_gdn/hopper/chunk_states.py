@@ -30,7 +30,8 @@ def build_chunk_states(head_k: int, head_v: int, dtype: str, has_initial: bool, 
                        num_stages: int | None = None):
     """``num_stages``: TMA pipeline depth (default ``state_grads.sequential_stages``)."""
     block_v = block_v or head_v
-    return Launcher(_chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages or sequential_stages(block_v)))
+    stages = num_stages or sequential_stages(block_v)
+    return Launcher(_chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, stages))
 
 
 @tilelang.jit

@@ -46,7 +46,8 @@ def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, block
                       num_stages: int | None = None):
     """``num_stages``: TMA pipeline depth (default ``sequential_stages``)."""
     block_v = block_v or head_v
-    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages or sequential_stages(block_v)))
+    stages = num_stages or sequential_stages(block_v)
+    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, stages))
 
 
 @tilelang.jit
