@@ -74,12 +74,16 @@ class ChunkPlan(NamedTuple):
         (chunks numbered sequence by sequence; unused entries ``(0, 0)``).
     seq_info: ``[N, 3]`` int32, per sequence: first token, one-past-last token, index of its
         first chunk in ``chunk_bounds``.
+    chunk_seq: ``[num_chunks]`` int32, the sequence each chunk belongs to (unused entries 0):
+        with ``seq_info`` it tells a chunk that starts or ends its sequence, whose state is the
+        caller's initial state or whose end-state gradient is the caller's ``dht``.
     segments: the segment map of context parallelism, numbered like ``chunk_bounds``, when
         ``plan_for`` was given ``seg_chunks``.
     """
 
     chunk_bounds: torch.Tensor
     seq_info: torch.Tensor
+    chunk_seq: torch.Tensor
     segments: SegmentPlan | None = None  # when planned with seg_chunks (context parallelism)
 
 
@@ -180,14 +184,16 @@ def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0, w
     wave = wave_ctas if seg_chunks is not None else 0
     build_sequence_prefix(TL_DTYPE[cu.dtype])(cu, split, target, wave, seq_info, seg_meta, totals)
     bounds = torch.empty(chunks, 2, dtype=torch.int32, device=device)
+    chunk_seq = torch.empty(chunks, dtype=torch.int32, device=device)
     segs = 1 if seg_chunks is None else segment_capacity(chunks, num_seqs, seg_chunks)
     seg_info = torch.empty(segs, 3, dtype=torch.int32, device=device)
     transition_info = torch.empty(segs, 3, dtype=torch.int32, device=device)
-    build_cut_pieces()(seq_info, seg_meta, totals, int(seg_chunks is not None), bounds, seg_info, transition_info)
+    build_cut_pieces()(seq_info, seg_meta, totals, int(seg_chunks is not None), bounds, chunk_seq, seg_info,
+                       transition_info)
     if seg_chunks is None:
-        return ChunkPlan(bounds, seq_info)
+        return ChunkPlan(bounds, seq_info, chunk_seq)
     max_segs = _max_segs(batch, seq_len, num_seqs, varlen, chunks, seg_chunks)
-    return ChunkPlan(bounds, seq_info, SegmentPlan(seg_info, transition_info, seg_meta, max_segs))
+    return ChunkPlan(bounds, seq_info, chunk_seq, SegmentPlan(seg_info, transition_info, seg_meta, max_segs))
 
 
 def _capturing(device) -> bool:
@@ -246,7 +252,8 @@ def plan_chunks(cu: torch.Tensor, num_chunks: int, chunk: int = CHUNK) -> ChunkP
     pieces = _cut(cu, chunk, num_chunks, min_per_seq=0)
     bounds = torch.stack([pieces.start, pieces.end], dim=1).to(torch.int32)
     seq_info = torch.stack([cu[:-1], cu[1:], pieces.first], dim=1).to(torch.int32)
-    return ChunkPlan(bounds, seq_info)
+    chunk_seq = (pieces.seq * pieces.valid).to(torch.int32)
+    return ChunkPlan(bounds, seq_info, chunk_seq)
 
 
 def segment_capacity(max_chunks: int, num_seqs: int, seg_chunks: int) -> int:

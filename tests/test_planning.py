@@ -23,12 +23,16 @@ def test_varlen_chunks_cover_every_token_once():
         assert (start, end) == (int(cu[n]), int(cu[n + 1]))
         for c in range(-(-(end - start) // 64)):
             assert plan.chunk_bounds[first + c].tolist() == [start + 64 * c, min(start + 64 * (c + 1), end)]
+            assert plan.chunk_seq[first + c] == n
+    unused = plan.chunk_bounds[:, 1] == plan.chunk_bounds[:, 0]
+    assert not plan.chunk_seq[unused].any()
 
 
 def test_fixed_length_batch_is_exact():
     plan = plan_for(3, 100, None, torch.device("cpu"))
     assert plan.chunk_bounds.tolist() == [[0, 64], [64, 100], [100, 164], [164, 200], [200, 264], [264, 300]]
     assert plan.seq_info[:, 2].tolist() == [0, 2, 4]
+    assert plan.chunk_seq.tolist() == [0, 0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("seg_target", [0, 12])

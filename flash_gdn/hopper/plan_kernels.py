@@ -208,6 +208,7 @@ def _cut_pieces_kernel(threads=CUT_THREADS):
         totals: T.Tensor((3,), "int32"),
         with_segments: T.int32,
         chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+        chunk_seq: T.Tensor((num_chunks,), "int32"),
         seg_info: T.Tensor((num_segs, 3), "int32"),
         transition_info: T.Tensor((num_segs, 3), "int32"),
     ):
@@ -233,6 +234,7 @@ def _cut_pieces_kernel(threads=CUT_THREADS):
                     if c < count:
                         chunk_bounds[first_chunk + c, 0] = start + c * CHUNK
                         chunk_bounds[first_chunk + c, 1] = T.min(start + (c + 1) * CHUNK, end)
+                        chunk_seq[first_chunk + c] = seq
                 if with_segments != 0:
                     first_seg = seg_meta[seq, 0]
                     count = seg_meta[seq, 1]
@@ -255,6 +257,7 @@ def _cut_pieces_kernel(threads=CUT_THREADS):
                     if c < num_chunks:
                         chunk_bounds[c, 0] = 0
                         chunk_bounds[c, 1] = 0
+                        chunk_seq[c] = 0
                 if with_segments != 0:
                     first_seg = totals[1]
                     for r in T.serial(T.ceildiv(T.max(num_segs - first_seg, 0), threads)):

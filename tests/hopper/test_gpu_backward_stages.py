@@ -84,6 +84,49 @@ def test_backward_stages_without_initial_state_or_dht_d64():
     assert rel_err(got["dh0_all"], ref["dh0_all"]) <= TOL
 
 
+@pytest.mark.parametrize("d,h0,dht,seg_chunks", [(128, True, True, None), (128, True, True, 1), (64, True, True, None),
+                                                 (128, True, False, None), (128, False, True, 1)])
+def test_dg_takes_the_given_states_in_fp32(monkeypatch, d, h0, dht, seg_chunks):
+    """Where a chunk starts its sequence (S = h0) or ends it (dS' = dht), dg's term
+    e^gamma_C <S, dS'> comes from the caller's fp32 tensors. Large states whose dot cancels:
+    rounded to bf16, the term's error would be ~6e-5 of sum |S dS'| (about 0.15 at unit
+    entries); in fp32 it is ~1e-8. On the one-token sequences beta = 0 and dO = 0, which
+    leaves exactly dg = e^g <h0, dht> there; every gradient also against the fp64 backward."""
+    if seg_chunks:
+        monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
+    dev, hqk, hv = "cuda", 1, 2
+    lengths = [1, 130, 1, 1, 64, 1]
+    t, n = sum(lengths), len(lengths)
+    q = F.normalize(torch.randn(1, t, hqk, d, device=dev), dim=-1).to(torch.bfloat16)
+    k = F.normalize(torch.randn(1, t, hqk, d, device=dev), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, t, hv, d, device=dev).to(torch.bfloat16)
+    g = -3 * torch.rand(1, t, hv, device=dev)
+    beta = torch.rand(1, t, hv, device=dev)
+    do = torch.randn(1, t, hv, d, device=dev)
+    cu = random_cu_seqlens(lengths, device=dev, dtype=torch.int32)
+    one = cu[:-1][torch.tensor(lengths, device=dev) == 1]
+    beta[0, one], do[0, one] = 0.0, 0.0
+    do = do.to(torch.bfloat16)
+    init = 8 * torch.randn(n, hv, d, d, device=dev)
+    dfinal = 8 * torch.randn(n, hv, d, d, device=dev)
+    # dht's component along h0 removed: <h0, dht> is a small remainder of large terms.
+    dfinal -= (dfinal * init).sum((2, 3), keepdim=True) / (init * init).sum((2, 3), keepdim=True) * init
+    init, dfinal = init if h0 else None, dfinal if dht else None
+    problem = check_inputs(q, k, v, g, beta, None, init, cu, False)
+    with poisoned():
+        got = backward_stages(q, k, v, g, beta, do, dfinal, problem, init, False, cu)
+    ref = chunked_backward(q, k, v, g, beta, do, dht=dfinal, initial_state=init, cu_seqlens=cu.cpu())
+    for name, i, tol in (("dq", 0, 1e-2), ("dk", 1, 1e-2), ("dv", 2, 1e-2), ("dg", 3, 2e-2), ("dbeta", 4, 2e-2)):
+        assert rel_err(got[name], ref[i]) <= tol, (name, rel_err(got[name], ref[i]))
+    if h0 and dht:
+        single = torch.tensor(lengths, device=dev) == 1
+        s, ds = init[single].double(), dfinal[single].double()
+        want = g[0, one].double().exp() * (s * ds).sum((2, 3))  # [one-token sequences, hv]
+        size = g[0, one].double().exp() * (s * ds).abs().sum((2, 3))
+        err = (got["dg"][0, one].double() - want).abs()
+        assert (err <= 1e-6 * size).all(), (err / size).max().item()
+
+
 def _naive_grads(q, k, v, g, beta, h0, cu, l2, state_v_first):
     """fp64 autograd of the naive recurrence: (grads by name, dO, dht)."""
     from flash_gdn.reference import naive_recurrence
@@ -231,8 +274,14 @@ def test_autograd_hopper_matches_portable_path(monkeypatch):
         o, s = chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu)
         (o.float().square().sum() + s.sum()).backward()
         grads[path] = {name: x.grad for name, x in leaves.items()}
+    # A large random initial state and dht = 1 make dv_new large against its sums: dk and dbeta
+    # carry the bf16 rounding of dV_new (written once by state_grads, read by wy_grads), as FLA's
+    # do. Over 3909 draws against fp64 (H200, scripts/precision_tail.py): dbeta max 3.7e-2, over
+    # 2e-2 in 0.36 % of draws, the same for FLA 0.6.0; dk max 1.8e-2 (FLA 2.3e-2); dg max 1.3e-2
+    # (FLA 5.2e-2; ours was up to 6.9e-2 while <S, dS'> took h0 and dht rounded to bf16).
+    bounds = dict(q=1e-2, k=3e-2, v=1e-2, g=2e-2, beta=6e-2, initial_state=1e-2)
     for name in inputs:
-        assert rel_err(grads["hopper"][name], grads["portable"][name]) <= 2e-2, name
+        assert rel_err(grads["hopper"][name], grads["portable"][name]) <= bounds[name], name
 
 
 @pytest.mark.parametrize("seg_chunks", [None, 2])

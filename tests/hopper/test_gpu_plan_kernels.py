@@ -36,6 +36,7 @@ def test_device_plan_equals_torch_plan(case, seg_chunks, seg_target, wave_ctas, 
     want = _torch_plan(1, t, cu.cpu(), torch.device("cpu"), seg_chunks, seg_target, wave_ctas)
     assert torch.equal(got.chunk_bounds.cpu(), want.chunk_bounds)
     assert torch.equal(got.seq_info.cpu(), want.seq_info)
+    assert torch.equal(got.chunk_seq.cpu(), want.chunk_seq)
     if seg_chunks is None:
         assert got.segments is None
         return
@@ -53,6 +54,7 @@ def test_device_plan_without_cu_seqlens_equals_batch_plan():
     want = _torch_plan(3, 1000, None, torch.device("cpu"), 4)
     rows = got.chunk_bounds.shape[0]
     assert torch.equal(got.chunk_bounds.cpu(), want.chunk_bounds[:rows]) and not want.chunk_bounds[rows:].any()
+    assert torch.equal(got.chunk_seq.cpu(), want.chunk_seq[:rows]) and not want.chunk_seq[rows:].any()
     segs = got.segments.seg_info.shape[0]
     assert torch.equal(got.segments.seg_info.cpu(), want.segments.seg_info[:segs])
     assert not want.segments.seg_info[segs:].any()
