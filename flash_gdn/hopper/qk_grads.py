@@ -10,7 +10,7 @@ with q and k normalised by their inverse norms:
 
     dM = scale dO V_new^T (lower incl. diag),  dQK = Gamma * dM        (both CTAs)
     dq += (scale D dO) S^T + dQK K                                      (dq CTA)
-    dk += dk_wy + dQK^T Q + E V_new dS'^T                               (dk CTA)
+    dk += dQK^T Q + E V_new dS'^T + dk_wy                               (dk CTA)
     dgamma = dgamma_wy + rows(dM * M) - cols(dM * M) + scale e^gamma_i (Q S)_i . dO_i - de_i,
              de_i = E_i (K dS')_i . V_new_i;  at gamma_C also e^gamma_C <S, dS'> + sum_i de_i
     dg = reverse cumsum of dgamma within the chunk
@@ -159,6 +159,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             qk_ready = T.alloc_barrier(threads)
             vo_ready = T.alloc_barrier(threads)
             st_ready = T.alloc_barrier(threads)
+            wy_ready = T.alloc_barrier(threads)
             length = T.alloc_var("int32")
             head = T.alloc_var("int32")
             gamma_last = T.alloc_var(ACCUM)
@@ -217,10 +218,6 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                             T.if_then_else(role == 0, scale * T.__exp(gamma_s[i]), T.__exp(gamma_last - gamma_s[i])),
                             T.cast(0, ACCUM),
                         )
-                    if role == 1:
-                        # dk_wy of this member straight into the accumulator while the tiles arrive.
-                        for i, d in T.Parallel(CHUNK, head_k):
-                            grad[i, d] += T.if_then_else(i < length, T.cast(dk_wy[start + i, head, d], ACCUM), T.cast(0, ACCUM))
                     T.mbarrier_wait_parity(vo_ready, member % 2)
                     if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
                         for i, j in T.Parallel(CHUNK, head_v):
@@ -256,6 +253,12 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                                                     T.cast(0, ACCUM))
                         _add_dg(z_s, zsum_s, dg, start, length, head)
                     else:
+                        # dO is read (dM above): its tile takes this member's dk_wy by TMA (K = V), added
+                        # to dk once the products are in. (Rows past the chunk's end are not stored.)
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        T.tma_copy(dk_wy[start:start + CHUNK, head, 0:head_k], do_tile, barrier=wy_ready)
+                        T.barrier_arrive(wy_ready)
                         # V_new is read: its tile now holds E V_new.
                         for i, j in T.Parallel(CHUNK, head_v):
                             vn_tile[i, j] = T.cast(T.cast(vn_tile[i, j], ACCUM) * row_f[i], dtype)
@@ -265,6 +268,9 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.wgmma_gemm(dqk_s, q_tile, grad, transpose_A=True)
                         T.wgmma_gemm(vn_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
+                        T.mbarrier_wait_parity(wy_ready, member % 2)
+                        for i, d in T.Parallel(CHUNK, head_k):
+                            grad[i, d] += T.cast(do_tile[i, d], ACCUM)
                         _add_state_term(grad, acc_v, k_tile, red_a, dot_s)
                         # <S, dS'>: blocks of SD_ROWS rows, S from global memory (the dq CTA beside this
                         # one loads the same S: an L2 hit), row sums into red_sd.
