@@ -69,8 +69,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             dw_s = T.alloc_shared((CHUNK, head_k), dtype)
             dar_h = T.alloc_shared((CHUNK, CHUNK), HALF)
             t_h = T.alloc_shared((CHUNK, CHUNK), HALF)
-            dkk_h = T.alloc_shared((CHUNK, CHUNK), HALF)
-            sym_s = T.alloc_shared((CHUNK, CHUNK), dtype)
+            dkk_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             rows_s = T.alloc_shared((CHUNK,), ACCUM)
             cols_s = T.alloc_shared((CHUNK,), ACCUM)
             xcol_s = T.alloc_shared((CHUNK,), ACCUM)
@@ -185,18 +184,18 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     tmp[i, j] = T.Select(i > j, -tmp[i, j], T.cast(0, ACCUM))
                     dar[i, j] = beta_s[i] * tmp[i, j]
-                T.copy(dar, dkk_h)
+                T.copy(dar, dkk_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     tmp[i, j] = tmp[i, j] * kkt[i, j]
                 T.reduce_sum(tmp, red_l, dim=1)
                 T.copy(red_l, lrow_s)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    dar[i, j] = T.cast(dkk_h[i, j], ACCUM) + T.cast(dkk_h[j, i], ACCUM)
-                T.copy(dar, sym_s)
 
                 # dK_wy = A_w^T dW + (dKK + dKK^T) K.
                 T.gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
-                T.gemm(sym_s, k_tile, dw_acc)
+                # (dKK + dKK^T) K as two products: dKK is strictly lower, so the sum has one term
+                # per element, and the transposed read costs the product nothing.
+                T.gemm(dkk_s, k_tile, dw_acc)
+                T.gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
                 # Out through dV_new's tile (dead since dV) by TMA, in the input dtype.
                 T.copy(dw_acc, dvn_tile)
                 store_chunk_rows(dvn_tile, dk_wy, start, length, head, 0)
