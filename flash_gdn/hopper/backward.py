@@ -59,7 +59,8 @@ _placeholders: dict[tuple, torch.Tensor] = {}
 
 def _state_placeholder(device: torch.device, num_v_heads: int, head_k: int, head_v: int) -> torch.Tensor:
     """One fp32 state per value head, never read: stands in for a kernel's optional state
-    argument where none was given (made once per shape, so no allocation on the hot path)."""
+    argument where none was given (made once per device and shape, so no allocation on the hot
+    path; the kernel's loads of it are bounds-guarded as well as skipped by its flag)."""
     key = (device, num_v_heads, head_k, head_v)
     if key not in _placeholders:
         _placeholders[key] = torch.zeros(1, num_v_heads, head_k, head_v, dtype=torch.float32, device=device)
@@ -235,12 +236,10 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     dq = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
     dk_out = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
     # <S, dS'> takes h0 and dht in fp32 where a chunk's state is one of them (qk_grads).
-    stand_in = next((x for x in (h0, dht32, dh0) if x is not None), None)
-    if stand_in is None:
-        stand_in = _state_placeholder(dev, hv, dk, dv)
+    absent = _state_placeholder(dev, hv, dk, dv)
     build_qk_grads(dk, dv, tl_dtype)(
         qf, kf, dof, v_new, h, dh, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, plan.chunk_seq, plan.seq_info,
-        stand_in if h0 is None else h0, stand_in if dht32 is None else dht32, int(h0 is not None),
+        absent if h0 is None else h0, absent if dht32 is None else dht32, int(h0 is not None),
         int(dht32 is not None), dk_wy, dgamma_wy, problem.scale, int(use_l2), dq, dk_out, dg,
     )
     grads = dict(dh0_all=dh0, dv=dv_out.view(batch, seq_len, hv, dv), dbeta=dbeta.view(batch, seq_len, hv),
