@@ -273,26 +273,26 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                             grad[i, d] += T.cast(do_tile[i, d], ACCUM)
                         _add_state_term(grad, acc_v, k_tile, red_a, dot_s)
                         # <S, dS'>: blocks of SD_ROWS rows, S from global memory (the dq CTA beside this
-                        # one loads the same S: an L2 hit), row sums into red_sd.
-                        T.clear(red_sd)
+                        # one loads the same S: an L2 hit), products summed element-wise over the blocks,
+                        # then one reduction (its row sums go into dg as they are: _add_dg sums them).
+                        T.clear(sd_part)
                         if exact_s + exact_ds == 0:
                             for rb in T.serial(head_k // SD_ROWS):
                                 for i, j in T.Parallel(SD_ROWS, head_v):
-                                    sd_part[i, j] = (T.cast(h[chunk_id, head, rb * SD_ROWS + i, j], ACCUM)
-                                                     * T.cast(st_tile[rb * SD_ROWS + i, j], ACCUM))
-                                T.reduce_sum(sd_part, red_sd, dim=1, clear=False)
+                                    sd_part[i, j] += (T.cast(h[chunk_id, head, rb * SD_ROWS + i, j], ACCUM)
+                                                      * T.cast(st_tile[rb * SD_ROWS + i, j], ACCUM))
                         else:
                             # A sequence's first chunk (S = h0) or last (dS' = dht): that side in fp32 from
                             # the caller's tensor. Rounded to bf16, a large state turns <S, dS'>, a sum of
                             # K V terms that cancel, into a dg error of 1e-1 (module docstring).
                             for rb in T.serial(head_k // SD_ROWS):
                                 for i, j in T.Parallel(SD_ROWS, head_v):
-                                    sd_part[i, j] = (
+                                    sd_part[i, j] += (
                                         T.if_then_else(exact_s != 0, h0[seq, head, rb * SD_ROWS + i, j],
                                                        T.cast(h[chunk_id, head, rb * SD_ROWS + i, j], ACCUM))
                                         * T.if_then_else(exact_ds != 0, dht[seq, head, rb * SD_ROWS + i, j],
                                                          T.cast(st_tile[rb * SD_ROWS + i, j], ACCUM)))
-                                T.reduce_sum(sd_part, red_sd, dim=1, clear=False)
+                        T.reduce_sum(sd_part, red_sd, dim=1)
                         T.copy(red_sd, sd_s)
                         # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so every
                         # dg of the chunk (a reverse cumsum) gains X: it goes in as y (_add_dg).
