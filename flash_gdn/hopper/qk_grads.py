@@ -15,8 +15,10 @@ with q and k normalised by their inverse norms:
              de_i = E_i (K dS')_i . V_new_i;  at gamma_C also e^gamma_C <S, dS'> + sum_i de_i
     dg = reverse cumsum of dgamma within the chunk
 
-The dq CTA takes the dgamma terms of M and of S (rows, cols, (Q S) . dO), the dk CTA those of
-dS' and dgamma_wy; each adds the reverse cumsum of its part to dg (zeroed by ``wy_grads``) by
+The dq CTA takes the dgamma terms of S ((Q S) . dO) and the rows of dQK * QK, the dk CTA those
+of dS', dgamma_wy and the columns of dQK * QK. The dk CTA forms dQK^T (from V_new dO^T, with
+K Q^T) rather than dQK, so those columns are row sums in its registers: a column sum across the
+accumulator's layout costs four barriers per element held, a row sum one (b24). each adds the reverse cumsum of its part to dg (zeroed by ``wy_grads``) by
 one atomic add per element: exactly two fp32 adds onto zero, whose result does not depend on
 their order (a + b = b + a), so dg stays deterministic.
 
@@ -138,11 +140,11 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             st_tile = T.alloc_shared((head_k, head_v), dtype)  # S (dq CTA) or dS' (dk CTA)
             dqk_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            dgw_s = T.alloc_shared((CHUNK,), ACCUM)  # dgamma_wy (dk CTA)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             row_f = T.alloc_shared((CHUNK,), ACCUM)  # scale D (dq CTA) or E (dk CTA)
-            rows_s = T.alloc_shared((CHUNK,), ACCUM)
-            cols_s = T.alloc_shared((CHUNK,), ACCUM)
+            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # row sums of dm * qk: rows (dq CTA) or columns (dk CTA) of dQK * QK
             dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de
             sd_s = T.alloc_shared((SD_ROWS,), ACCUM)
             z_s = T.alloc_shared((2 * CHUNK,), ACCUM)  # [dgamma; y] (_add_dg)
@@ -150,7 +152,6 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dm = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             red_a = T.alloc_fragment((CHUNK,), ACCUM)
-            red_c = T.alloc_fragment((CHUNK,), ACCUM)  # column sums (another layout than row sums)
             sd_part = T.alloc_fragment((SD_ROWS, head_v), ACCUM)
             red_sd = T.alloc_fragment((SD_ROWS,), ACCUM)
             grad = T.alloc_fragment((CHUNK, head_k), ACCUM)  # dq or dk, summed over the group
@@ -192,25 +193,31 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     q_tile[i, d] = T.cast(q_tile[i, d] * q_inv[i], dtype)
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
                 T.clear(grad)
+                # Q K^T (dq CTA) or its transpose K Q^T (dk CTA), normalised: the same for every value
+                # head of the group, once, kept in registers.
                 if role == 0:
-                    # Q K^T (normalised) is the same for every value head of the group: once, kept in registers.
                     T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                else:
+                    T.gemm(k_tile, q_tile, qk, transpose_B=True, clear_accum=True)
 
                 for member in T.serial(group):
                     head = qk_head * group + member
-                    # This member's three tiles by TMA, all in flight at once (the previous member's
-                    # reads of these buffers are finished: barrier, then the proxy fence).
+                    # This member's tiles by TMA, all in flight at once, with its gamma (and dgamma_wy)
+                    # rows (the previous member's reads of these buffers are finished: barrier, then the
+                    # proxy fence).
                     T.sync_threads()
                     T.fence_proxy_async()
                     T.tma_copy(do[start:start + CHUNK, head, 0:head_v], do_tile, barrier=vo_ready)
                     T.tma_copy(v_new[start:start + CHUNK, head, 0:head_v], vn_tile, barrier=vo_ready)
+                    T.tma_copy(gamma[head, chunk_id, 0:CHUNK], gamma_s, barrier=vo_ready)
                     if role == 0:
                         T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
                     else:
+                        T.tma_copy(dgamma_wy[head, chunk_id, 0:CHUNK], dgw_s, barrier=vo_ready)
                         T.tma_copy(dh[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
                     T.barrier_arrive(vo_ready)
                     T.barrier_arrive(st_ready)
-                    T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
+                    T.mbarrier_wait_parity(vo_ready, member % 2)
                     gamma_last = gamma_s[length - 1]
                     for i in T.Parallel(CHUNK):
                         row_f[i] = T.if_then_else(
@@ -218,25 +225,30 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                             T.if_then_else(role == 0, scale * T.__exp(gamma_s[i]), T.__exp(gamma_last - gamma_s[i])),
                             T.cast(0, ACCUM),
                         )
-                    T.mbarrier_wait_parity(vo_ready, member % 2)
                     if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
                         for i, j in T.Parallel(CHUNK, head_v):
                             do_tile[i, j] = T.if_then_else(i < length, do_tile[i, j], T.cast(0, dtype))
                             vn_tile[i, j] = T.if_then_else(i < length, vn_tile[i, j], T.cast(0, dtype))
 
                     # dQK = Gamma * tril(scale dO V_new^T) (in registers; the exponent clamped, tiles.pair_decay).
-                    T.gemm(do_tile, vn_tile, dm, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        dm[i, j] = T.Select(i >= j, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
-                    T.copy(dm, dqk_s)
+                    # The dk CTA forms dQK^T (from V_new dO^T): its rows are dQK's columns, so the column
+                    # sums below are row sums there, and dQK^T Q takes it untransposed.
                     if role == 0:
-                        # dgamma terms of M: rows and columns of dQK * QK.
+                        T.gemm(do_tile, vn_tile, dm, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(CHUNK, CHUNK):
-                            dm[i, j] = dm[i, j] * qk[i, j]
-                        T.reduce_sum(dm, red_a, dim=1)
-                        T.reduce_sum(dm, red_c, dim=0)
-                        T.copy(red_a, rows_s)
-                        T.copy(red_c, cols_s)
+                            dm[i, j] = T.Select(i >= j, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                    else:
+                        T.gemm(vn_tile, do_tile, dm, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(CHUNK, CHUNK):
+                            dm[i, j] = T.Select(j >= i, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[j], gamma_s[i])
+                    T.copy(dm, dqk_s)
+                    # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
+                    # of its CTA's dm * qk.
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        dm[i, j] = dm[i, j] * qk[i, j]
+                    T.reduce_sum(dm, red_a, dim=1)
+                    T.copy(red_a, msum_s)
+                    if role == 0:
                         # dO is read: its tile now holds scale D dO.
                         for i, j in T.Parallel(CHUNK, head_v):
                             do_tile[i, j] = T.cast(T.cast(do_tile[i, j], ACCUM) * row_f[i], dtype)
@@ -249,7 +261,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.wait_wgmma(0)
                         _add_state_term(grad, acc_v, q_tile, red_a, dot_s)
                         for i in T.Parallel(2 * CHUNK):
-                            z_s[i] = T.if_then_else(i < length, rows_s[i % CHUNK] - cols_s[i % CHUNK] + dot_s[i % CHUNK],
+                            z_s[i] = T.if_then_else(i < length, msum_s[i % CHUNK] + dot_s[i % CHUNK],
                                                     T.cast(0, ACCUM))
                         _add_dg(z_s, zsum_s, dg, start, length, head)
                     else:
@@ -265,16 +277,11 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         # dk += dQK^T Q + (E V_new) dS'^T; the state term's row dot with the normalised k:
                         #   E_i (K dS')_i . V_new_i = sum_k K_ik ((E V_new) dS'^T)_ik = de_i
                         T.mbarrier_wait_parity(st_ready, member % 2)
-                        T.wgmma_gemm(dqk_s, q_tile, grad, transpose_A=True)
-                        T.wgmma_gemm(vn_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        T.mbarrier_wait_parity(wy_ready, member % 2)
-                        for i, d in T.Parallel(CHUNK, head_k):
-                            grad[i, d] += T.cast(do_tile[i, d], ACCUM)
-                        _add_state_term(grad, acc_v, k_tile, red_a, dot_s)
                         # <S, dS'>: blocks of SD_ROWS rows, S from global memory (the dq CTA beside this
                         # one loads the same S: an L2 hit), products summed element-wise over the blocks,
                         # then one reduction (its row sums go into dg as they are: _add_dg sums them).
+                        # (Issuing the two products first, to run under this, made the kernel spill and
+                        # no faster: b24.)
                         T.clear(sd_part)
                         if exact_s + exact_ds == 0:
                             for rb in T.serial(head_k // SD_ROWS):
@@ -294,12 +301,19 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                                                          T.cast(st_tile[rb * SD_ROWS + i, j], ACCUM)))
                         T.reduce_sum(sd_part, red_sd, dim=1)
                         T.copy(red_sd, sd_s)
+                        T.wgmma_gemm(dqk_s, q_tile, grad)
+                        T.wgmma_gemm(vn_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.mbarrier_wait_parity(wy_ready, member % 2)
+                        for i, d in T.Parallel(CHUNK, head_k):
+                            grad[i, d] += T.cast(do_tile[i, d], ACCUM)
+                        _add_state_term(grad, acc_v, k_tile, red_a, dot_s)
                         # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so every
                         # dg of the chunk (a reverse cumsum) gains X: it goes in as y (_add_dg).
                         for i in T.Parallel(2 * CHUNK):
                             z_s[i] = T.if_then_else(
                                 i < CHUNK,
-                                T.if_then_else(i < length, dgamma_wy[head, chunk_id, i % CHUNK] - dot_s[i % CHUNK], T.cast(0, ACCUM)),
+                                T.if_then_else(i < length, dgw_s[i % CHUNK] - msum_s[i % CHUNK] - dot_s[i % CHUNK], T.cast(0, ACCUM)),
                                 dot_s[i % CHUNK] + T.if_then_else(i % CHUNK < SD_ROWS, T.__exp(gamma_last) * sd_s[i % SD_ROWS], T.cast(0, ACCUM)),
                             )
                         _add_dg(z_s, zsum_s, dg, start, length, head)
