@@ -8,7 +8,7 @@ reduction happens in the kernel (in a fixed order: deterministic). Per value hea
 V_new and the chunk's start state S = h and end-state gradient dS' = dh (stages 1 and 2),
 with q and k normalised by their inverse norms:
 
-    dM = scale dO V_new^T (lower incl. diag),  dQK = Gamma * dM        (both CTAs)
+    dM = scale dO V_new^T (lower incl. diag),  dQK = Gamma * dM        (dk CTA: dQK^T)
     dq += (scale D dO) S^T + dQK K                                      (dq CTA)
     dk += dQK^T Q + E V_new dS'^T + dk_wy                               (dk CTA)
     dgamma = dgamma_wy + rows(dM * M) - cols(dM * M) + scale e^gamma_i (Q S)_i . dO_i - de_i,
@@ -16,11 +16,12 @@ with q and k normalised by their inverse norms:
     dg = reverse cumsum of dgamma within the chunk
 
 The dq CTA takes the dgamma terms of S ((Q S) . dO) and the rows of dQK * QK, the dk CTA those
-of dS', dgamma_wy and the columns of dQK * QK. The dk CTA forms dQK^T (from V_new dO^T, with
-K Q^T) rather than dQK, so those columns are row sums in its registers: a column sum across the
-accumulator's layout costs four barriers per element held, a row sum one (b24). each adds the reverse cumsum of its part to dg (zeroed by ``wy_grads``) by
-one atomic add per element: exactly two fp32 adds onto zero, whose result does not depend on
-their order (a + b = b + a), so dg stays deterministic.
+of dS', dgamma_wy and the columns of dQK * QK. The dk CTA forms dQK^T (from V_new dO^T) and
+K Q^T rather than dQK and Q K^T, so those columns are row sums in its registers: a column sum
+across the accumulator's layout crosses shared memory twice for each of the 8 elements a thread
+holds, a row sum once for its 2 (b24). Each CTA adds the reverse cumsum of its part to dg
+(zeroed by ``wy_grads``) by one atomic add per element: exactly two fp32 adds onto zero, whose
+result does not depend on their order (a + b = b + a), so dg stays deterministic.
 
 <S, dS'> is a sum of K V products that can cancel to a small remainder; with S and dS' rounded
 to bf16 a large state leaves an absolute error of ~2^-9 sqrt(sum (S dS')^2) in it (0.1 and more in
@@ -31,8 +32,8 @@ stores them.
 
 The split halves each CTA's registers and shared memory (one 128 x 128 state tile, h or dh;
 <S, dS'> takes S from global memory), so two CTAs fit on an SM and one's products run under
-the other's element-wise phases and loads. The price: both CTAs form dQK (one 64 x 64 x V
-product) and load q, k, dO and V_new.
+the other's element-wise phases and loads. The price: both CTAs form dQK or its transpose (one
+64 x 64 x V product per value head, and Q K^T or K Q^T once) and load q, k, dO and V_new.
 
 With ``normalize`` (use_qk_l2norm_in_kernel) the gradient goes back through x_hat = x r,
 r = 1 / sqrt(|x|^2 + eps):  dx = r (dx_hat - (dx_hat . x_hat) x_hat).
@@ -144,7 +145,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             row_f = T.alloc_shared((CHUNK,), ACCUM)  # scale D (dq CTA) or E (dk CTA)
-            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # row sums of dm * qk: rows (dq CTA) or columns (dk CTA) of dQK * QK
+            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # row sums of dm * qk: dQK * QK's rows (dq) or columns (dk)
             dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de
             sd_s = T.alloc_shared((SD_ROWS,), ACCUM)
             z_s = T.alloc_shared((2 * CHUNK,), ACCUM)  # [dgamma; y] (_add_dg)
@@ -240,7 +241,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     else:
                         T.gemm(vn_tile, do_tile, dm, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(CHUNK, CHUNK):
-                            dm[i, j] = T.Select(j >= i, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[j], gamma_s[i])
+                            dm[i, j] = (T.Select(j >= i, dm[i, j] * scale, T.cast(0, ACCUM))
+                                        * pair_decay(gamma_s[j], gamma_s[i]))
                     T.copy(dm, dqk_s)
                     # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
                     # of its CTA's dm * qk.
@@ -313,7 +315,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         for i in T.Parallel(2 * CHUNK):
                             z_s[i] = T.if_then_else(
                                 i < CHUNK,
-                                T.if_then_else(i < length, dgw_s[i % CHUNK] - msum_s[i % CHUNK] - dot_s[i % CHUNK], T.cast(0, ACCUM)),
+                                T.if_then_else(i < length, dgw_s[i % CHUNK] - msum_s[i % CHUNK] - dot_s[i % CHUNK],
+                                               T.cast(0, ACCUM)),
                                 dot_s[i % CHUNK] + T.if_then_else(i % CHUNK < SD_ROWS, T.__exp(gamma_last) * sd_s[i % SD_ROWS], T.cast(0, ACCUM)),
                             )
                         _add_dg(z_s, zsum_s, dg, start, length, head)

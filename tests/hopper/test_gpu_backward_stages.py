@@ -90,8 +90,8 @@ def test_dg_takes_the_given_states_in_fp32(monkeypatch, d, h0, dht, seg_chunks):
     """Where a chunk starts its sequence (S = h0) or ends it (dS' = dht), dg's term
     e^gamma_C <S, dS'> comes from the caller's fp32 tensors. On the one-token sequences the
     states are large and their dot cancels: rounded to bf16, the term's error would be ~6e-5 of
-    sum |S dS'| (about 0.15 at unit entries); in fp32 it is ~1e-8. On the one-token sequences beta = 0 and dO = 0, which
-    leaves exactly dg = e^g <h0, dht> there; every gradient also against the fp64 backward."""
+    sum |S dS'| (about 0.15 at unit entries); in fp32 it is ~1e-8. There beta = 0 and dO = 0,
+    which leaves exactly dg = e^g <h0, dht>; every gradient also against the fp64 backward."""
     if seg_chunks:
         monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
     dev, hqk, hv = "cuda", 1, 2
