@@ -103,9 +103,9 @@ def _local_dv_kernel(head_k, head_v, dtype, threads=128):
                     T.copy(m, m_s)
                     T.mbarrier_wait_parity(do_ready, member % 2)
                     T.gemm(m_s, do_tile, acc, transpose_A=True, clear_accum=True)
-                    # The row factors, here where every thread has passed the barriers after gamma_s was
-                    # written (placed right after its load, TileLang fenced them off with a barrier of
-                    # the 64 threads that run the loop, and the other 64 read gamma_s early).
+                    # The row factors. Not right after gamma_s's load: TileLang then fenced that load with a
+                    # barrier of only the 64 threads of this loop, and the other 64 read gamma_s for M
+                    # before it was written. Here every thread has passed the whole-CTA barriers since.
                     for i in T.Parallel(CHUNK):
                         q_fac[head, chunk_id, i] = T.if_then_else(
                             i < length, T.__exp(gamma_s[i]) * scale * q_inv[i], T.cast(0, ACCUM))
