@@ -8,7 +8,7 @@ from .api import (
     chunk_gated_delta_rule_fwd,
 )
 
-from .warmup import warmup
+from .warmup import release_workspaces, warmup
 
 __version__ = "0.1.0"
 
@@ -19,5 +19,6 @@ __all__ = [
     "ForwardSaved",
     "GDNGrads",
     "warmup",
+    "release_workspaces",
     "__version__",
 ]

@@ -103,12 +103,12 @@ def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: 
     (``_recent_device_plan``).
     """
     device = torch.device(device)
-    capturing = _capturing(device)
+    is_capturing = capturing(device)
     rule = (seg_chunks, seg_target, wave_ctas)
-    if cu_seqlens is None and not capturing:
+    if cu_seqlens is None and not is_capturing:
         return _batch_plan(batch, seq_len, _canonical(device), *rule)
     if device.type == "cuda":
-        if capturing or cu_seqlens.device.type != "cuda":
+        if is_capturing or cu_seqlens.device.type != "cuda":
             return _device_plan(batch, seq_len, cu_seqlens, device, *rule)
         return _recent_device_plan(batch, seq_len, cu_seqlens, device, *rule)
     return _torch_plan(batch, seq_len, cu_seqlens, device, *rule)
@@ -132,7 +132,7 @@ RECENT_PLANS_KEPT = 8
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
 
 
-def _current_stream(device: torch.device) -> int:
+def current_stream_handle(device: torch.device) -> int:
     """The current CUDA stream's handle (torch.cuda.current_stream() costs ~5 us on the GPU host)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _RAW_STREAM is not None:
@@ -146,7 +146,7 @@ def _recent_device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_targ
     except RuntimeError:  # an inference tensor
         return _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target, wave_ctas)
     key = (version, cu_seqlens.data_ptr(), cu_seqlens.shape, cu_seqlens.dtype, batch, seq_len, device, seg_chunks,
-           seg_target, wave_ctas, _current_stream(device))
+           seg_target, wave_ctas, current_stream_handle(device))
     for ref, entry_key, plan in _RECENT_PLANS:
         if ref() is cu_seqlens and entry_key == key:
             return plan
@@ -196,7 +196,8 @@ def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0, w
     return ChunkPlan(bounds, seq_info, chunk_seq, SegmentPlan(seg_info, transition_info, seg_meta, max_segs))
 
 
-def _capturing(device) -> bool:
+def capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of a CUDA ``device``."""
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -339,7 +340,7 @@ def plan_segments(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, dev
 
     Built once per shape and reused when there is no ``cu_seqlens``.
     """
-    if cu_seqlens is None and not _capturing(device):
+    if cu_seqlens is None and not capturing(device):
         return _batch_segments(batch, seq_len, _canonical(device), seg_chunks, seg_target, wave_ctas)
     return _plan_segments(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target, wave_ctas)
 

@@ -26,3 +26,18 @@ def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat1
             named += backward_kernel_builders(head_dim, TL_DTYPE[dtype])
     run_concurrently([build for _, build in named])
     return [name for name, _ in named]
+
+
+def release_workspaces() -> None:
+    """Free the intermediate buffers the Hopper forward keeps for repeat calls.
+
+    A forward call small enough for its host time to matter keeps its intermediates (A_g,
+    gamma, the inverse norms, the CP transitions and segment states; at most 64 MiB a call
+    and 256 MiB in all) for the next call with the same shapes, dtypes, stream and thread
+    (``hopper.forward.DefaultForward``). This frees them; the next call allocates again.
+    """
+    import sys
+
+    forward = sys.modules.get("flash_gdn.hopper.forward")  # (nothing kept if never imported)
+    if forward is not None:
+        forward.release_workspaces()

@@ -64,9 +64,12 @@ def main(specs, backward_too=True, where=False):
     # The meta device stands in for CUDA: take the device-planning path.
     patches.append(mock.patch.object(backward, "num_sms", lambda i: 132))
     # (through the cache of recent cu_seqlens plans, as on a GPU: the counted call is a repeat)
-    patches.append(mock.patch.object(planning, "_current_stream", lambda d: 0))
-    patches.append(mock.patch.object(prepare_wu, "plan_for", lambda b, t, cu, d, s=None, st=0, w=0: planning._recent_device_plan(b, t, cu, d, s, st, w)
-                                     if cu is not None else planning._batch_plan(b, t, d, s, st, w)))
+    patches.append(mock.patch.object(planning, "current_stream_handle", lambda d: 0))
+    def meta_plan(b, t, cu, d, s=None, st=0, w=0):
+        if cu is not None:
+            return planning._recent_device_plan(b, t, cu, d, s, st, w)
+        return planning._batch_plan(b, t, d, s, st, w)
+    patches += [mock.patch.object(prepare_wu, "plan_for", meta_plan), mock.patch.object(forward, "plan_for", meta_plan)]
     for p in patches:
         p.start()
     for spec in specs:

@@ -102,7 +102,7 @@ def test_varlen_plans_reused_only_for_the_same_unmodified_tensor(monkeypatch):
 
     stream = ["s0"]
     monkeypatch.setattr(planning, "_device_plan", device_plan)
-    monkeypatch.setattr(planning, "_current_stream", lambda device: stream[0])
+    monkeypatch.setattr(planning, "current_stream_handle", lambda device: stream[0])
     monkeypatch.setattr(planning, "_RECENT_PLANS", [])
     dev = torch.device("cpu")
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)

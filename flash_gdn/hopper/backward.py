@@ -1,8 +1,7 @@
 """Hopper backward launcher.
 
 ``backward_stages`` runs prepare_wu (W, A_g, A_r, gamma, inverse norms), ``chunk_states`` (every
-chunk's start state h and V_new, forming U = A_g V), ``local_dv`` (the state-free part of dV_new, and
-the row factors D and E ``state_grads`` applies),
+chunk's start state h and V_new, forming U = A_g V), ``local_dv`` (the state-free part of dV_new),
 ``state_grads`` (every chunk's end-state gradient dh,
 dV_new and dh0), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
 ``qk_grads`` (dq and dk summed over each group of value heads with the L2 norm's backward,
@@ -183,10 +182,8 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
             torch.cuda.set_stream(main)
 
     dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    # state_grads' row factors (scale D, E), formed by local_dv off the sequential chain.
-    row_fac = torch.empty(2, hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
     build_local_dv(dk, dv, tl_dtype)(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, problem.scale,
-                                     dv_local, row_fac[0], row_fac[1])
+                                     dv_local)
     dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
     dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
 
@@ -194,7 +191,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         # incoming: the gradient of each run's end state (None: zero); start_grad receives
         # the gradient of each run's start state.
         build_state_grads(dk, dv, tl_dtype, incoming is not None, block_v)(
-            qf, kf, w, dof, dv_local, gamma, row_fac[0], row_fac[1], info, start_grad if incoming is None else incoming,
+            qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, info, start_grad if incoming is None else incoming,
             problem.scale, dh, dv_new, start_grad,
         )
 
@@ -219,7 +216,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         del b, ds_end
     if side is not None:
         main.wait_stream(side)
-    del w, dv_local, a_u, row_fac
+    del w, dv_local, a_u
     if segs is not None:
         del seg_state, run_init
 

@@ -11,10 +11,12 @@ shapes, the buffers and the launches.
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
 
+from .. import planning
 from ..env import env_get
 from ..planning import chunk_capacity, plan_for
 from ..validation import Problem
@@ -23,8 +25,8 @@ from .forward_fused import build_forward_fused
 from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu, flat_inputs,
-                         run_prepare, unused_buffer)
+from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, PrepareBuffers, build_prepare_wu,
+                         flat_inputs, launch_prepare, prepare_buffers, run_prepare)
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_output import build_state_output
@@ -103,80 +105,218 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
                    state_v_first, save_states: bool = False):
     """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``.
 
-    With ``save_states``, ``extras`` holds what the backward would otherwise recompute:
+    The default forward goes through ``DefaultForward`` (kept per call key: host time). With
+    ``save_states``, ``extras`` holds what the backward would otherwise recompute:
     ``prepared`` (W, gamma, inverse norms, A_r, the chunk plan; U dropped) and every chunk's start
     state ``h`` [chunks, Hv, K, V] and ``v_new`` [tokens, Hv, V] in the input dtype.
     """
+    fused = use_fused(problem.head_k, problem.head_v, save_states)
+    if not save_states and not fused:
+        o, final_state = default_forward_call(q, g, beta, problem, initial_state, cu_seqlens)(
+            q, k, v, g, beta, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first)
+        return o, final_state, {}
     batch, seq_len, num_seqs = problem.batch, problem.seq_len, problem.num_seqs
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
-    # The L2 norm of q and k (use_l2) is fused: prepare_wu computes the inverse row norms,
-    # the state kernels fold them into their row factors.
-    max_chunks = chunk_capacity(batch, seq_len, num_seqs, cu_seqlens is not None)
-    segments = forward_segments(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
-    has_h0, cp = initial_state is not None, segments is not None
-    split = not save_states and split_output(cp, num_seqs, hv, dv, dev)
-    fused = use_fused(dk, dv, save_states)
-    if fused:
-        cp = split = False
-    kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[kernel_gate_dtype(g, beta, dtype)],
-                              None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype], has_h0, cp, save_states,
-                              split, fused)
+    has_h0 = initial_state is not None
     h0 = None
     if has_h0:
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
         h0 = h0.to(torch.float32).contiguous()
+    gate_tl = TL_DTYPE[kernel_gate_dtype(g, beta, dtype)]
+    index_tl = None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype]
     if fused:
+        kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], gate_tl, index_tl, has_h0, False, False, False, True)
         o, final_state = _fused_forward(kernels.output, q, k, v, g, beta, problem, h0, use_l2, cu_seqlens)
         return o.view(batch, seq_len, hv, dv), _caller_layout(final_state, output_final_state, state_v_first), {}
-    # The V-major state kernel and the segment transitions (CP) form U = A_g V and W S from V,
-    # K and A_g themselves (A_g from prepare_wu), so W is not written; the saved-state kernel
-    # and its transitions read U and W.
-    seg_chunks, seg_target, wave_ctas = segments if cp else (None, 0, 0)
-    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, _prepare_outputs(save_states, cp),
-                       kernels.prepare, seg_target, wave_ctas)
-    w = prep.w if prep.w is not None else unused_buffer(dev, dtype, (1, 1, dk))
-    # What the state kernel reads besides W: U (saved-state kernel), or V and A_g (V-major).
-    u_or_v_au = (prep.u,) if save_states else (prep.v, prep.a_u)
-    o = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    saved = ()  # (h, v_new): every chunk's start state and V_new, written for the backward
-    if save_states:
-        saved = (torch.empty(prep.plan.chunk_bounds.shape[0], hv, dk, dv, dtype=dtype, device=dev),
-                 torch.empty(tokens, hv, dv, dtype=dtype, device=dev))
 
+    # The saved-state forward: state_output (and with CP the exact transitions) read U and W and
+    # write every chunk's start state h and V_new for the backward.
+    max_chunks = chunk_capacity(batch, seq_len, num_seqs, cu_seqlens is not None)
+    segments = forward_segments(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
+    cp = segments is not None
+    kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], gate_tl, index_tl, has_h0, cp, True, False)
+    seg_chunks, seg_target, wave_ctas = segments if cp else (None, 0, 0)
+    prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, SAVED_STATE_OUTPUTS,
+                       kernels.prepare, seg_target, wave_ctas)
+    o = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    saved = (torch.empty(prep.plan.chunk_bounds.shape[0], hv, dk, dv, dtype=dtype, device=dev),
+             torch.empty(tokens, hv, dv, dtype=dtype, device=dev))
     if not cp:
         final_state = torch.empty(num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
         # Without an initial state the kernel is compiled not to read one (any buffer will do).
-        kernels.output(prep.q, prep.k, w, *u_or_v_au, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, prep.plan.seq_info,
-                       final_state if h0 is None else h0, problem.scale, o, final_state, *saved)
+        kernels.output(prep.q, prep.k, prep.w, prep.u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv,
+                       prep.plan.seq_info, final_state if h0 is None else h0, problem.scale, o, final_state, *saved)
     else:
         segs = prep.plan.segments
         capacity = segs.seg_info.shape[0]
-        # [h | M] per segment and head; after it, where the transitions are truncated (not in the
-        # saved-state mode), the int32 flags saying whether M is zero (one allocation for both:
-        # each torch.empty is a few us of host time).
-        transition_elems = capacity * hv * dk * (dv + dk)
-        truncated = prep.log_bound is not None
-        buf = torch.empty(transition_elems + (capacity * hv if truncated else 0), dtype=torch.float32, device=dev)
-        seg_state = buf[:transition_elems].view(capacity, hv, dk, dv + dk)
-        log_bound, trunc_flags = no_truncation(dev)
-        if truncated:
-            log_bound, trunc_flags = prep.log_bound, buf[transition_elems:].view(torch.int32).view(capacity, hv)
-        # The transitions read U and W (saved-state mode) or form them from V, K and A_g (w unused).
-        sources = transition_sources(u=prep.u) if save_states else transition_sources(v=prep.v, a_u=prep.a_u)
-        kernels.transitions(prep.k, w, *sources, prep.gamma, prep.k_norm_inv, segs.transition_info, log_bound, seg_state,
-                            trunc_flags)
+        seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)  # [h | M]
+        log_bound, trunc_flags = no_truncation(dev)  # (exact transitions)
+        kernels.transitions(prep.k, prep.w, *transition_sources(u=prep.u), prep.gamma, prep.k_norm_inv,
+                            segs.transition_info, log_bound, seg_state, trunc_flags)
         seg_states = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
         # Without an initial state the scan is compiled not to read one (any buffer will do).
         kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, trunc_flags, seg_states)
-        # Each segment's start state in, its end state out, in place: the CTA of a (segment,
-        # head) reads exactly the elements it later writes, and reads them first.
-        kernels.output(prep.q, prep.k, w, *u_or_v_au, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, segs.seg_info,
+        # Each segment's start state in, its end state out, in place (as in DefaultForward).
+        kernels.output(prep.q, prep.k, prep.w, prep.u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, segs.seg_info,
                        seg_states, problem.scale, o, seg_states, *saved)
         final_state = seg_states[segs.last_seg] if output_final_state else None
-
-    extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1]) if save_states else {}
+    extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1])
     return o.view(batch, seq_len, hv, dv), _caller_layout(final_state, output_final_state, state_v_first), extras
+
+
+# The default forward (chunk states not saved, not the fused kernel) by what fixes its host
+# work: the problem's sizes, the dtypes, whether there is an initial state, the device, the
+# stream, the calling thread and the CP switches. An eager call of a short row is host-bound
+# (a 2/8 x 1x2048 forward runs 43 us on the GPU), so a repeat call skips the decisions, and
+# reuses the intermediate buffers (A_g, gamma, the inverse norms, the CP transitions and
+# segment states) of the previous call with its key where they are small. Reuse is safe
+# because calls with one key run in order: one stream, one thread (another thread or stream
+# gets its own entry); nothing returned aliases them. Never during CUDA-graph capture.
+_CALLS: dict[tuple, "DefaultForward"] = {}
+_CALLS_LOCK = threading.Lock()
+CALLS_KEPT = 16
+KEPT_WORKSPACE_BYTES = 64 << 20  # a call's intermediates are kept only up to this size ...
+KEPT_WORKSPACE_TOTAL = 256 << 20  # ... and all kept ones up to this (oldest dropped first)
+
+
+def release_workspaces() -> None:
+    """Drop the kept intermediate buffers and decisions of recent forward calls."""
+    with _CALLS_LOCK:
+        _CALLS.clear()
+
+
+def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens) -> "DefaultForward":
+    """The ``DefaultForward`` of this call: a kept one for its key, or a new one (kept unless
+    capturing a CUDA graph)."""
+    gate_dtype = kernel_gate_dtype(g, beta, q.dtype)
+    index_dtype = None if cu_seqlens is None else cu_seqlens.dtype
+    dev, has_h0 = q.device, initial_state is not None
+    if planning.capturing(dev):
+        return DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=False)
+    stream = planning.current_stream_handle(dev) if dev.type == "cuda" else None
+    key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(),
+           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
+    call = _CALLS.get(key)
+    if call is None:
+        call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True)
+        with _CALLS_LOCK:  # (the miss path only: other threads may be adding or dropping entries)
+            while len(_CALLS) >= CALLS_KEPT:
+                del _CALLS[next(iter(_CALLS))]
+            _CALLS[key] = call
+    return call
+
+
+class _Workspace(NamedTuple):
+    """A default forward's intermediates: ``prepare_wu``'s outputs, then with CP the [h | M]
+    transitions, their truncation flags and the segment states, without CP a final state
+    written when the caller does not ask for it."""
+
+    prep: PrepareBuffers
+    seg_state: torch.Tensor | None
+    trunc_flags: torch.Tensor | None
+    seg_states: torch.Tensor | None
+    final_scratch: torch.Tensor | None
+
+
+class DefaultForward:
+    """The default forward for one key of ``_CALLS``: its decisions (CP segments, the split
+    output kernel) and kernels made once, its intermediates allocated per call or kept."""
+
+    def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device, keep: bool):
+        num_seqs, hv, dk, dv = problem.num_seqs, problem.num_v_heads, problem.head_k, problem.head_v
+        varlen = index_dtype is not None
+        self.problem, self.dtype, self.gate_dtype, self.dev = problem, dtype, gate_dtype, dev
+        max_chunks = chunk_capacity(problem.batch, problem.seq_len, num_seqs, varlen)
+        segments = forward_segments(num_seqs, hv, max_chunks, dev, varlen)
+        self.cp = segments is not None
+        split = split_output(self.cp, num_seqs, hv, dv, dev)
+        self.rule = tuple(segments) if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
+        self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS
+        self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
+                                       None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
+                                       split)
+        self.keep = keep
+        self.workspace: _Workspace | None = None
+
+    def _workspace(self, plan) -> _Workspace:
+        p, dev = self.problem, self.dev
+        hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
+        prep = prepare_buffers(p, plan.chunk_bounds.shape[0], self.dtype, dev, self.outputs)
+        if self.cp:
+            # [h | M] per segment and head, then the int32 flags saying whether M is zero (one
+            # allocation); the segment states: each segment's start state in, end state out.
+            capacity = plan.segments.seg_info.shape[0]
+            transition_elems = capacity * hv * dk * (dv + dk)
+            buf = torch.empty(transition_elems + capacity * hv, dtype=torch.float32, device=dev)
+            ws = _Workspace(prep, buf[:transition_elems].view(capacity, hv, dk, dv + dk),
+                            buf[transition_elems:].view(torch.int32).view(capacity, hv),
+                            torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev), None)
+        else:
+            ws = _Workspace(prep, None, None, None, torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev))
+        if self.keep:
+            with _CALLS_LOCK:
+                if _keep(self, ws):
+                    self.workspace = ws
+        return ws
+
+    def __call__(self, q, k, v, g, beta, initial_state, output_final_state: bool, use_l2: bool, cu_seqlens,
+                 state_v_first: bool):
+        """``(o, final_state)`` as ``hopper_forward`` returns them."""
+        p, kernels = self.problem, self.kernels
+        flat = flat_inputs(q, k, v, g, beta, p, self.gate_dtype)
+        plan = plan_for(p.batch, p.seq_len, cu_seqlens, self.dev, *self.rule)
+        ws = self.workspace or self._workspace(plan)
+        prep = ws.prep
+        launch_prepare(kernels.prepare, flat, plan, prep, use_l2)
+        qf, kf, vf = flat[:3]
+        h0 = None
+        if initial_state is not None:
+            h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+            h0 = h0.to(torch.float32).contiguous()
+        o = torch.empty(p.batch * p.seq_len, p.num_v_heads, p.head_v, dtype=self.dtype, device=self.dev)
+        # The V-major state kernel and the CP transitions form U = A_g V and W S from V, K and A_g
+        # themselves (W is not written: prep.w is an unused buffer).
+        if not self.cp:
+            final_state = (torch.empty_like(ws.final_scratch) if output_final_state else ws.final_scratch)
+            # Without an initial state the kernel is compiled not to read one (any buffer will do).
+            kernels.output(qf, kf, prep.w, vf, prep.a_u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, plan.seq_info,
+                           final_state if h0 is None else h0, p.scale, o, final_state)
+        else:
+            segs = plan.segments
+            kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
+                                prep.log_bound, ws.seg_state, ws.trunc_flags)
+            # Without an initial state the scan is compiled not to read one (any buffer will do).
+            kernels.scan(ws.seg_state, ws.seg_state, segs.seg_meta, ws.seg_states if h0 is None else h0,
+                         ws.trunc_flags, ws.seg_states)
+            # Each segment's start state in, its end state out, in place: the CTA of a (segment,
+            # head) reads exactly the elements it later writes, and reads them first.
+            kernels.output(qf, kf, prep.w, vf, prep.a_u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, segs.seg_info,
+                           ws.seg_states, p.scale, o, ws.seg_states)
+            final_state = ws.seg_states[segs.last_seg] if output_final_state else None  # (a gather: a copy)
+        o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
+        return o, _caller_layout(final_state, output_final_state, state_v_first)
+
+
+def _keep(call: DefaultForward, ws: _Workspace) -> bool:
+    """Whether ``ws`` is kept for ``call``'s next calls: when small, dropping the oldest kept
+    workspaces while all kept ones would exceed ``KEPT_WORKSPACE_TOTAL``."""
+    size = _bytes(ws)
+    if size > KEPT_WORKSPACE_BYTES:
+        return False
+    kept = [c for c in _CALLS.values() if c.workspace is not None and c is not call]
+    total = size + sum(_bytes(c.workspace) for c in kept)
+    for c in kept:
+        if total <= KEPT_WORKSPACE_TOTAL:
+            break
+        total -= _bytes(c.workspace)
+        c.workspace = None
+    return True
+
+
+def _bytes(ws: _Workspace) -> int:
+    tensors = [t for t in (*ws.prep, ws.seg_state, ws.trunc_flags, ws.seg_states, ws.final_scratch) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _caller_layout(final_state, output_final_state: bool, state_v_first: bool):

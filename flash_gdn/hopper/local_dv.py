@@ -13,14 +13,6 @@ One CTA per (chunk, q/k head) walks the value heads of its group: scale D_q Q K^
 is formed once and stays in registers, and each value head only applies its own decay
 Gamma (gates are per value head) and multiplies by its dO tile. Tiles come by TMA; the next
 head's dO load is issued as soon as the current one's product has read its tile.
-
-It also writes the row factors ``state_grads`` applies every chunk (DESIGN's D and E, with the
-fused norm's inverse norms r), so the sequential kernel loads them instead of forming them on
-its chain:
-
-    q_fac[i] = scale e^gamma_i r_qi              k_fac[i] = e^(gamma_C - gamma_i) r_ki
-
-both 0 at rows past the chunk's end (gamma_C: the chunk's last row inside its sequence).
 """
 
 import functools
@@ -55,8 +47,6 @@ def _local_dv_kernel(head_k, head_v, dtype, threads=128):
         bounds: T.Tensor((num_chunks, 2), "int32"),
         scale: T.float32,
         dv_local: T.Tensor((tokens, num_v_heads, head_v), dtype),
-        q_fac: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
-        k_fac: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
     ):
         with T.Kernel(num_chunks, num_qk_heads, threads=threads) as (chunk_id, qk_head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
@@ -103,14 +93,6 @@ def _local_dv_kernel(head_k, head_v, dtype, threads=128):
                     T.copy(m, m_s)
                     T.mbarrier_wait_parity(do_ready, member % 2)
                     T.gemm(m_s, do_tile, acc, transpose_A=True, clear_accum=True)
-                    # The row factors. Not right after gamma_s's load: TileLang then fenced that load with a
-                    # barrier of only the 64 threads of this loop, and the other 64 read gamma_s for M
-                    # before it was written. Here every thread has passed the whole-CTA barriers since.
-                    for i in T.Parallel(CHUNK):
-                        q_fac[head, chunk_id, i] = T.if_then_else(
-                            i < length, T.__exp(gamma_s[i]) * scale * q_inv[i], T.cast(0, ACCUM))
-                        k_fac[head, chunk_id, i] = T.if_then_else(
-                            i < length, T.__exp(gamma_s[length - 1] - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                     # The product has read dO: the next head's tile comes in while this one is stored.
                     if member + 1 < group:
                         T.sync_threads()

@@ -319,24 +319,27 @@ def _gate_rows(x: torch.Tensor, tokens: int, hv: int, gate_dtype: torch.dtype) -
     return (x if x.dtype == gate_dtype else x.to(gate_dtype)).contiguous()
 
 
-def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                outputs: tuple[bool, bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
-                seg_target: int = 0, wave_ctas: int = 0) -> Prepared:
-    """Plan the chunks (and segments of ``seg_chunks`` chunks or more, at most ``seg_target`` of
-    them where lengths allow: ``planning.balanced_segment_chunks``, or with ``wave_ctas``
-    ``planning.wave_segment_chunks``; for context parallelism) and
-    launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
-    write_au, write_w, write_bound), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token
-    and value head.
-    ``kernel``: the variant for ``outputs``, where the caller has it resolved already."""
+class PrepareBuffers(NamedTuple):
+    """What ``prepare_wu`` writes (``Prepared``'s fields of the same names); an output the
+    variant does not write is a small unused buffer (``unused_buffer``)."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    a_u: torch.Tensor
+    gamma: torch.Tensor
+    q_norm_inv: torch.Tensor
+    k_norm_inv: torch.Tensor
+    a_r: torch.Tensor
+    log_bound: torch.Tensor
+
+
+def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.device,
+                    outputs: tuple[bool, bool, bool, bool, bool]) -> PrepareBuffers:
+    """``prepare_wu``'s output buffers for ``num_chunks`` chunks (the plan's capacity);
+    ``outputs`` as in ``run_prepare``."""
     write_inverse, write_u, write_au, write_w, write_bound = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
-    dtype, dev = q.dtype, q.device
-    gate_dtype = kernel_gate_dtype(g, beta, dtype)
-    qf, kf, vf, gf, bf = flat_inputs(q, k, v, g, beta, problem, gate_dtype)
-    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target, wave_ctas)
-    num_chunks = plan.chunk_bounds.shape[0]
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))
     a_u = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=dtype, device=dev) if write_au
@@ -354,8 +357,36 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
                  else unused_buffer(dev, torch.float32, (1, 1)))
     a_r = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev) if write_inverse
            else unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK)))
+    return PrepareBuffers(w, u, a_u, gamma, q_norm_inv, k_norm_inv, a_r, log_bound)
+
+
+def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareBuffers, use_l2: bool) -> None:
+    """``prepare_wu`` on the flattened inputs ``flat`` (``flat_inputs``) into ``out``."""
+    qf, kf, vf, gf, bf = flat
+    kernel(kf, vf, gf, bf, plan.chunk_bounds, out.w, out.u, out.gamma, qf, int(use_l2), out.q_norm_inv,
+           out.k_norm_inv, out.a_r, out.a_u, out.log_bound)
+
+
+def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
+                outputs: tuple[bool, bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
+                seg_target: int = 0, wave_ctas: int = 0) -> Prepared:
+    """Plan the chunks (and segments of ``seg_chunks`` chunks or more, at most ``seg_target`` of
+    them where lengths allow: ``planning.balanced_segment_chunks``, or with ``wave_ctas``
+    ``planning.wave_segment_chunks``; for context parallelism) and
+    launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
+    write_au, write_w, write_bound), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token
+    and value head.
+    ``kernel``: the variant for ``outputs``, where the caller has it resolved already."""
+    write_inverse, write_u, write_au, write_w, write_bound = outputs
+    dtype, dev = q.dtype, q.device
+    gate_dtype = kernel_gate_dtype(g, beta, dtype)
+    flat = flat_inputs(q, k, v, g, beta, problem, gate_dtype)
+    plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target, wave_ctas)
+    out = prepare_buffers(problem, plan.chunk_bounds.shape[0], dtype, dev, outputs)
     if kernel is None:
-        kernel = build_prepare_wu(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)
-    kernel(kf, vf, gf, bf, plan.chunk_bounds, w, u, gamma, qf, int(use_l2), q_norm_inv, k_norm_inv, a_r, a_u, log_bound)
-    return Prepared(plan, qf, kf, vf, bf, w if write_w else None, u if write_u else None, gamma, q_norm_inv, k_norm_inv,
-                    a_r if write_inverse else None, a_u if write_au else None, log_bound if write_bound else None)
+        kernel = build_prepare_wu(problem.head_k, problem.head_v, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)
+    launch_prepare(kernel, flat, plan, out, use_l2)
+    qf, kf, vf, _, bf = flat
+    return Prepared(plan, qf, kf, vf, bf, out.w if write_w else None, out.u if write_u else None, out.gamma,
+                    out.q_norm_inv, out.k_norm_inv, out.a_r if write_inverse else None,
+                    out.a_u if write_au else None, out.log_bound if write_bound else None)

@@ -8,13 +8,11 @@ the state at the current chunk's end) in fp32 registers, chunks from last to fir
     dV_new    = M^T dO + E K dS'                           M = scale Gamma * tril(Q K^T)
     dS        = e^gamma_C dS' + (scale D Q)^T dO - W^T dV_new
 
-M^T dO and the row factors scale D and E (``q_fac``, ``k_fac``, with the inverse norms, zero
-past the sequence's end) come precomputed from the chunk-parallel ``local_dv`` kernel, so each
-chunk's critical path holds three products (E K dS', (D Q)^T dO, W^T dV_new) and no
-exponential. Row factors go where they are cheapest: E on the rows of the K dS' accumulator,
-scale D on the rows of the dO tile (block_v wide, not K). K dS' is issued asynchronously
-before dh is stored; the two dS products are issued back to back and dV_new is stored while
-they run.
+M^T dO comes precomputed from the chunk-parallel ``local_dv`` kernel, so each chunk's
+critical path holds three products (E K dS', (D Q)^T dO, W^T dV_new). Row factors go where
+they are cheapest: E on the rows of the K dS' accumulator, scale D on the rows of the dO tile
+(block_v wide, not K). K dS' is issued asynchronously before dh is stored; the two dS
+products are issued back to back and dV_new is stored while they run.
 
 dS starts at dht (the final state's gradient) or 0 and ends as dh0. Rows past the
 sequence's end are masked out of M, D and E, so the next sequence's dO never leaks in.
@@ -69,11 +67,11 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
         do: T.Tensor((tokens, num_v_heads, head_v), dtype),
         dv_local: T.Tensor((tokens, num_v_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
-        q_fac: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
-        k_fac: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         dht: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
-        scale: T.float32,  # not read since b25 (q_fac carries it); kept so every launch stays the same
+        scale: T.float32,
         dh: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
         dv_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
         dh0: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
@@ -88,6 +86,8 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
             dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
             neg_dvn_s = T.alloc_shared((CHUNK, block_v), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+            q_inv = T.alloc_shared((CHUNK,), ACCUM)
+            k_inv = T.alloc_shared((CHUNK,), ACCUM)
             q_scale = T.alloc_shared((CHUNK,), ACCUM)
             k_scale = T.alloc_shared((CHUNK,), ACCUM)
             ds = T.alloc_fragment((head_k, block_v), ACCUM)
@@ -132,8 +132,8 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
                 T.copy(dv_local[seq_start + (num_seq_chunks - 1 - c) * CHUNK:seq_start + (num_seq_chunks - c) * CHUNK,
                                 head, v0:v0 + block_v], dvl_tile)
                 T.copy(gamma[head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], gamma_s)
-                T.copy(q_fac[head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], q_scale)
-                T.copy(k_fac[head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], k_scale)
+                T.copy(q_norm_inv[qk_head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], q_inv)
+                T.copy(k_norm_inv[qk_head, first_chunk + num_seq_chunks - 1 - c, 0:CHUNK], k_inv)
                 chunk = first_chunk + num_seq_chunks - 1 - c
                 start = seq_start + (num_seq_chunks - 1 - c) * CHUNK
                 length = T.min(seq_end - start, CHUNK)
@@ -146,8 +146,12 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
                 T.wgmma_gemm(k_tile, ds_s, kds, clear_accum=True)
                 # (Not waited for here: the wait at the chunk's end; ds_s is next written after it.)
                 T.tma_copy(ds_s, dh[chunk, head, 0:head_k, v0:v0 + block_v])
+                for i in T.Parallel(CHUNK):
+                    q_scale[i] = T.if_then_else(i < length, T.__exp(gamma_s[i]) * scale * q_inv[i], T.cast(0, ACCUM))
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+
                 # (scale D Q)^T dO = Q^T (diag(q_scale) dO): the row factors go on the dO tile
-                # (block_v columns, not K), zero past the sequence's end (q_fac is).
+                # (block_v columns, not K), zero past the sequence's end.
                 for i, j in T.Parallel(CHUNK, block_v):
                     do_tile[i, j] = T.cast(do_tile[i, j] * q_scale[i], dtype)
 
