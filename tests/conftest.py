@@ -1,16 +1,14 @@
-import sys
-
 import pytest
 import torch
+
+import flash_gdn
 
 
 @pytest.fixture(autouse=True)
 def _fresh_forward_calls():
     """Each test starts without the forward's kept per-call decisions (``DefaultForward``):
     tests patch the rules those decisions come from."""
-    forward = sys.modules.get("flash_gdn.hopper.forward")
-    if forward is not None:
-        forward.release_workspaces()
+    flash_gdn.release_workspaces()
     yield
 
 

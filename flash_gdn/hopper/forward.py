@@ -119,10 +119,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
     has_h0 = initial_state is not None
-    h0 = None
-    if has_h0:
-        h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
-        h0 = h0.to(torch.float32).contiguous()
+    h0 = _kernel_h0(initial_state, state_v_first)
     gate_tl = TL_DTYPE[kernel_gate_dtype(g, beta, dtype)]
     index_tl = None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype]
     if fused:
@@ -142,11 +139,11 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     o = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     saved = (torch.empty(prep.plan.chunk_bounds.shape[0], hv, dk, dv, dtype=dtype, device=dev),
              torch.empty(tokens, hv, dv, dtype=dtype, device=dev))
+    # What state_output reads before its run map: the tiles and U (the V-major kernel: V and A_g).
+    state_inputs = (prep.q, prep.k, prep.w, prep.u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv)
     if not cp:
         final_state = torch.empty(num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
-        # Without an initial state the kernel is compiled not to read one (any buffer will do).
-        kernels.output(prep.q, prep.k, prep.w, prep.u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv,
-                       prep.plan.seq_info, final_state if h0 is None else h0, problem.scale, o, final_state, *saved)
+        _output_pass(kernels, state_inputs, prep.plan.seq_info, final_state, h0, problem.scale, o, saved)
     else:
         segs = prep.plan.segments
         capacity = segs.seg_info.shape[0]
@@ -155,12 +152,8 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         kernels.transitions(prep.k, prep.w, *transition_sources(u=prep.u), prep.gamma, prep.k_norm_inv,
                             segs.transition_info, log_bound, seg_state, trunc_flags)
         seg_states = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-        # Without an initial state the scan is compiled not to read one (any buffer will do).
-        kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, trunc_flags, seg_states)
-        # Each segment's start state in, its end state out, in place (as in DefaultForward).
-        kernels.output(prep.q, prep.k, prep.w, prep.u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, segs.seg_info,
-                       seg_states, problem.scale, o, seg_states, *saved)
-        final_state = seg_states[segs.last_seg] if output_final_state else None
+        final_state = _scan_and_output(kernels, state_inputs, segs, seg_state, trunc_flags, seg_states, h0,
+                                       problem.scale, o, saved, output_final_state)
     extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1])
     return o.view(batch, seq_len, hv, dv), _caller_layout(final_state, output_final_state, state_v_first), extras
 
@@ -270,32 +263,49 @@ class DefaultForward:
         prep = ws.prep
         launch_prepare(kernels.prepare, flat, plan, prep, use_l2)
         qf, kf, vf = flat[:3]
-        h0 = None
-        if initial_state is not None:
-            h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
-            h0 = h0.to(torch.float32).contiguous()
+        h0 = _kernel_h0(initial_state, state_v_first)
         o = torch.empty(p.batch * p.seq_len, p.num_v_heads, p.head_v, dtype=self.dtype, device=self.dev)
         # The V-major state kernel and the CP transitions form U = A_g V and W S from V, K and A_g
         # themselves (W is not written: prep.w is an unused buffer).
+        state_inputs = (qf, kf, prep.w, vf, prep.a_u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv)
         if not self.cp:
             final_state = (torch.empty_like(ws.final_scratch) if output_final_state else ws.final_scratch)
-            # Without an initial state the kernel is compiled not to read one (any buffer will do).
-            kernels.output(qf, kf, prep.w, vf, prep.a_u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, plan.seq_info,
-                           final_state if h0 is None else h0, p.scale, o, final_state)
+            _output_pass(kernels, state_inputs, plan.seq_info, final_state, h0, p.scale, o)
         else:
             segs = plan.segments
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
                                 prep.log_bound, ws.seg_state, ws.trunc_flags)
-            # Without an initial state the scan is compiled not to read one (any buffer will do).
-            kernels.scan(ws.seg_state, ws.seg_state, segs.seg_meta, ws.seg_states if h0 is None else h0,
-                         ws.trunc_flags, ws.seg_states)
-            # Each segment's start state in, its end state out, in place: the CTA of a (segment,
-            # head) reads exactly the elements it later writes, and reads them first.
-            kernels.output(qf, kf, prep.w, vf, prep.a_u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, segs.seg_info,
-                           ws.seg_states, p.scale, o, ws.seg_states)
-            final_state = ws.seg_states[segs.last_seg] if output_final_state else None  # (a gather: a copy)
+            final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
+                                           h0, p.scale, o, (), output_final_state)
         o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
         return o, _caller_layout(final_state, output_final_state, state_v_first)
+
+
+def _kernel_h0(initial_state, state_v_first: bool):
+    """The caller's initial state as the kernels read it: fp32 ``[N, Hv, K, V]``, or None."""
+    if initial_state is None:
+        return None
+    h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
+    return h0.to(torch.float32).contiguous()
+
+
+def _output_pass(kernels: ForwardKernels, state_inputs: tuple, runs, final_state, h0, scale, o, saved=()) -> None:
+    """The output kernel over whole sequences (``runs``: the plan's seq_info) from ``h0``, each
+    end state into ``final_state``. Without an initial state the kernel is compiled not to
+    read one (any buffer will do)."""
+    kernels.output(*state_inputs, runs, final_state if h0 is None else h0, scale, o, final_state, *saved)
+
+
+def _scan_and_output(kernels: ForwardKernels, state_inputs: tuple, segs, seg_state, trunc_flags, seg_states, h0,
+                     scale, o, saved, output_final_state: bool):
+    """CP after the segment transitions: the scan writes every segment's start state into
+    ``seg_states`` (from ``h0``; compiled not to read one without it), then the output kernel
+    reads each segment's start state and writes its end state in place (the CTA of a (segment,
+    head) reads exactly the elements it later writes, and reads them first). Returns the
+    sequences' final states (a gather: a copy) when asked for, else None."""
+    kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, trunc_flags, seg_states)
+    kernels.output(*state_inputs, segs.seg_info, seg_states, scale, o, seg_states, *saved)
+    return seg_states[segs.last_seg] if output_final_state else None
 
 
 def _keep(call: DefaultForward, ws: _Workspace) -> bool:
