@@ -17,10 +17,14 @@ dV_new.
 
 ``chunk_states`` and the state-gradient pass read none of each other's outputs (the state
 gradients need Q, K, W, dO and the local dV, not h or V_new), so when the chunk states are
-recomputed they run on a second stream beside local_dv and state_grads, joined before
-wy_grads, the first reader of h. Each alone underfills the GPU when sequences x heads are
-few; together they share it. Both streams are forked from and joined to the caller's, so a
-CUDA-graph capture records the two branches.
+recomputed the two run side by side, joined before wy_grads, the first reader of h. Each
+alone underfills the GPU when sequences x heads are few; together they share it. The
+gradient chain (local_dv, then state_grads) runs on a second stream and chunk_states waits
+for local_dv: local_dv is chunk-parallel and fills the GPU, so beside chunk_states (one
+wave of CTAs or less) it ran on the SMs left over, at up to twice its time, and delayed
+state_grads, the longer of the two sequential passes, by as much (docs/performance.md, s27).
+The second stream is forked from and joined to the caller's, so a CUDA-graph capture
+records the two branches.
 """
 
 from __future__ import annotations
@@ -44,14 +48,15 @@ from .wy_grads import build_wy_grads
 
 
 CONCURRENT_CHUNK_STATES = True  # chunk_states beside the state-gradient pass (off: one stream)
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_gradient_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _gradient_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of the gradient chain (one per device, made once)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
+    if index not in _gradient_streams:
+        _gradient_streams[index] = torch.cuda.Stream(device=index)
+    return _gradient_streams[index]
 
 
 _placeholders: dict[tuple, torch.Tensor] = {}
@@ -150,40 +155,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
         capacity = segs.seg_info.shape[0]
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
         run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
-    # The forward-state side (segment transitions, segment start states, chunk states) on a
-    # second stream; the reverse scan needs only the transitions, announced by an event.
-    main = side = transitions_ready = None
-    if CONCURRENT_CHUNK_STATES and (recompute or segs is not None):
-        # set_stream rather than the torch.cuda.stream context: the same switch for a
-        # fraction of the host time.
-        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-        side.wait_stream(main)
-        torch.cuda.set_stream(side)
-    try:
-        # Every tensor used here was allocated on the main stream and stays referenced until
-        # the join below, so the allocator cannot hand its memory out early.
-        if segs is not None:
-            _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, problem, tl_dtype)
-            if side is not None:
-                transitions_ready = torch.cuda.Event()
-                transitions_ready.record(side)
-            if recompute:
-                build_segment_scan(dk, dv, h0 is not None)(seg_state, seg_state, segs.seg_meta,
-                                                            run_init if h0 is None else h0, no_truncation(dev)[1],
-                                                            run_init)
-        if recompute:
-            init = h0 if segs is None else run_init
-            # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
-            build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)(
-                kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
-            )
-    finally:
-        if side is not None:
-            torch.cuda.set_stream(main)
-
+        b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
     dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    build_local_dv(dk, dv, tl_dtype)(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, problem.scale,
-                                     dv_local)
     dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
     dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
 
@@ -195,30 +169,70 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
             problem.scale, dh, dv_new, start_grad,
         )
 
-    if segs is None:
-        state_grads(plan.seq_info, dht32, dh0)
-    else:
-        # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
-        # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
-        # (it overwrites the first pass's).
-        b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-        state_grads(segs.seg_info, None, b)
-        ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-        if transitions_ready is not None:
-            main.wait_event(transitions_ready)
-        build_segment_scan(dk, dv, dht32 is not None, reverse=True)(
-            seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, no_truncation(dev)[1], ds_end
-        )
-        state_grads(segs.seg_info, ds_end, b)
+    # The gradient chain on a stream of its own, the forward-state side (segment transitions,
+    # segment start states, chunk states) on the caller's; the reverse scan needs only the
+    # transitions and chunk_states waits for local_dv, each announced by an event. Every buffer
+    # above was allocated on the caller's stream and stays referenced until the join, so the
+    # allocator cannot hand its memory out early.
+    main = grads = transitions_ready = local_dv_done = None
+    if CONCURRENT_CHUNK_STATES and (recompute or segs is not None):
+        main, grads = torch.cuda.current_stream(dev), _gradient_stream(dev)
+        grads.wait_stream(main)
+
+    def use(stream):  # set_stream rather than the torch.cuda.stream context: the same switch for less host time
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+
+    try:
+        use(grads)
+        build_local_dv(dk, dv, tl_dtype)(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, problem.scale,
+                                         dv_local)
+        if grads is not None:
+            local_dv_done = torch.cuda.Event()
+            local_dv_done.record(grads)
+        if segs is not None:
+            use(main)
+            _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, problem, tl_dtype)
+            if grads is not None:
+                transitions_ready = torch.cuda.Event()
+                transitions_ready.record(main)
+            use(grads)
+        if segs is None:
+            state_grads(plan.seq_info, dht32, dh0)
+        else:
+            # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
+            # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
+            # (it overwrites the first pass's).
+            state_grads(segs.seg_info, None, b)
+            if transitions_ready is not None:
+                grads.wait_event(transitions_ready)
+            build_segment_scan(dk, dv, dht32 is not None, reverse=True)(
+                seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, no_truncation(dev)[1], ds_end
+            )
+            state_grads(segs.seg_info, ds_end, b)
+        use(main)
+        if recompute:
+            if segs is not None:
+                build_segment_scan(dk, dv, h0 is not None)(seg_state, seg_state, segs.seg_meta,
+                                                            run_init if h0 is None else h0, no_truncation(dev)[1],
+                                                            run_init)
+            if local_dv_done is not None:
+                main.wait_event(local_dv_done)
+            init = h0 if segs is None else run_init
+            # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
+            build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)(
+                kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
+            )
+    finally:
+        use(main)
+    if grads is not None:
+        main.wait_stream(grads)
+    if segs is not None:
         # Each sequence's start-state gradient, gathered only when someone reads it (a call
         # without an initial state returns none: the gather is ~60 us of host time).
         dh0 = b.index_select(0, segs.first_seg) if h0 is not None or intermediates else None
-        del b, ds_end
-    if side is not None:
-        main.wait_stream(side)
+        del b, ds_end, seg_state, run_init
     del w, dv_local, a_u
-    if segs is not None:
-        del seg_state, run_init
 
     dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
