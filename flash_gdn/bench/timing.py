@@ -61,17 +61,25 @@ def eager_time_ms(fn, iters: int, repeats: int = 3, sync=None, clock=time.perf_c
     return slopes[repeats // 2] * 1000.0
 
 
+def capture_graph(fn):
+    """``(graph, out)``: ``fn`` captured into a CUDA graph and what it returned during the
+    capture. One call on a side stream first, so that compiling and planning happen outside the
+    capture; the graph is not replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def graph_time_ms(fn, iters: int) -> float | None:
     """Per-replay time of ``fn`` captured into a CUDA graph, or None if it does not capture."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture_graph(fn)
     except Exception:
         torch.cuda.synchronize()
         return None

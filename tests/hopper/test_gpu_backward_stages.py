@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flash_gdn.bench.timing import capture_graph
 from flash_gdn.hopper.backward import backward_stages
 from flash_gdn.reference.chunked_backward import chunked_backward
 from flash_gdn.validation import check_inputs
@@ -336,14 +337,7 @@ def test_training_step_captures_into_cuda_graph(save):
         o, _ = chunk_gated_delta_rule(**leaves, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, save_chunk_states=save)
         return torch.autograd.grad(o, list(leaves.values()), do)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and plan outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)  # compiled and planned outside the capture
     fresh = _backward_inputs(LENGTHS, 2, 8, True)
     for name, x in zip(static, fresh[:6]):
         with torch.no_grad():

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 _CHILD = textwrap.dedent("""
     import sys, torch
     from flash_gdn import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+    from flash_gdn.bench.timing import capture_graph
     hqk, hv, lengths, mode = int(sys.argv[1]), int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")], sys.argv[4]
     t, d, dev = sum(lengths), 128, "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -32,14 +33,7 @@ _CHILD = textwrap.dedent("""
         step = lambda: chunk_gated_delta_rule_bwd(do, None, saved)
     else:
         step = lambda: chunk_gated_delta_rule_fwd(q, k, v, g, beta, cu_seqlens=cu)[0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for _ in range(100):
         graph.replay()
     torch.cuda.synchronize()
