@@ -25,8 +25,8 @@ class ForwardSaved:
 
     Holds the forward's inputs (not copies) and its options. ``path`` names the
     implementation that ran the forward ("hopper" or "portable"); ``extras`` holds the
-    kernel intermediates the backward reuses (empty unless ``save_chunk_states`` on the
-    Hopper path).
+    kernel intermediates the backward reuses on the Hopper path: the chunk inverse ``a_r``
+    (the default), or with ``save_chunk_states`` the chunk states and what made them.
     """
 
     q: torch.Tensor
@@ -80,11 +80,12 @@ def _hopper_forward():
 
 
 def _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first, path,
-                  save_states=False):
-    """Run the chosen implementation without autograd; returns (o, final_state, extras)."""
+                  save_states=False, for_backward=False):
+    """Run the chosen implementation without autograd; returns (o, final_state, extras).
+    ``for_backward``: a backward follows (the Hopper forward keeps the chunk inverse for it)."""
     if path == dispatch.HOPPER:
         return _hopper_forward()(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens,
-                              state_v_first, save_states)
+                              state_v_first, save_states, for_backward)
     o, final_state = chunked_forward(
         q, k, v, g, beta, problem.scale, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first
     )
@@ -109,7 +110,9 @@ def chunk_gated_delta_rule_fwd(
 
     ``o`` is ``[B, T, Hv, V]`` in v's dtype; ``final_state`` is fp32 in the chosen state
     layout (None unless ``output_final_state``); ``saved`` is a :class:`ForwardSaved` to pass
-    to :func:`chunk_gated_delta_rule_bwd`. ``save_chunk_states``: see
+    to :func:`chunk_gated_delta_rule_bwd`. On the Hopper path ``saved`` also holds every
+    chunk's gate-free inverse A_r (fp16, 128 bytes per token and value head, as FLA keeps its
+    ``A``), which the backward reads instead of solving for it again. ``save_chunk_states``: see
     :func:`chunk_gated_delta_rule`.
     """
     problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
@@ -118,7 +121,7 @@ def chunk_gated_delta_rule_fwd(
     with torch.no_grad():
         o, final_state, extras = _forward_impl(
             q, k, v, g, beta, problem, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            state_v_first, path, save_chunk_states,
+            state_v_first, path, save_chunk_states, for_backward=True,
         )
     saved = ForwardSaved(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, path,
                          extras, problem)
@@ -177,10 +180,10 @@ class _HopperGDN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, problem, output_final_state, use_l2, cu_seqlens, state_v_first,
                 save_states):
-        save_states = save_states and any(ctx.needs_input_grad[:6])
+        for_backward = any(ctx.needs_input_grad[:6])
         o, final_state, extras = _forward_impl(
             q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first,
-            dispatch.HOPPER, save_states,
+            dispatch.HOPPER, save_states and for_backward, for_backward,
         )
         ctx.saved = ForwardSaved(q, k, v, g, beta, initial_state, cu_seqlens, use_l2, state_v_first, dispatch.HOPPER,
                                  extras, problem)
@@ -248,8 +251,9 @@ def chunk_gated_delta_rule(
         state_v_first: states are ``[N, Hv, V, K]`` (the vLLM / SGLang layout).
         save_chunk_states: when a gradient is needed, keep every chunk's start state, V_new
             and W from the forward instead of recomputing them in the backward (Hopper
-            path): a faster backward for ``K V / 32 + 2 (K + V) + 128`` more bytes per token and
-            value head (1.125 KiB at K = V = 128). Default: recompute (least memory).
+            path): a faster backward for ``K V / 32 + 2 (K + V) + 128`` bytes per token and
+            value head kept (1.125 KiB at K = V = 128). Default: recompute them, keeping only
+            each chunk's inverse A_r (128 bytes per token and value head, as FLA keeps its A).
 
     FLA 0.6.0's other options (keyword arguments; ``fla_compat``):
         use_beta_sigmoid_in_kernel: ``beta`` holds logits; ``sigmoid(beta)`` is used (fp32).

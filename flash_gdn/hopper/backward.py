@@ -38,7 +38,7 @@ from .context_parallel import backward_segment_chunks_for, num_sms, segment_targ
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, run_prepare
+from .prepare_wu import BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, run_prepare
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
@@ -118,7 +118,9 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     states (``save_chunk_states``), prepare_wu and chunk_states are skipped. With
     ``intermediates`` (tests) every stage's outputs come back too; without, each buffer is
     dropped once its last reader has been launched (A_g, W, M^T dO, dV_new: 896 B per token
-    and value head at K = V = 128 off the peak) and only the gradients come back."""
+    and value head at K = V = 128 off the peak) and only the gradients come back. Where the
+    forward kept its chunk inverse (``saved["a_r"]``), prepare_wu reads it instead of solving
+    for it again."""
     batch, seq_len = problem.batch, problem.seq_len
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
@@ -130,9 +132,13 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     _build_kernels(problem, tl_dtype, TL_DTYPE[kernel_gate_dtype(g, beta, dtype)], cu_seqlens, initial_state, dht,
                    cp, block_v, saved)
     # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
+    given_inverse = saved.get("a_r")
     prep = saved.get("prepared") or run_prepare(
-        q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, BACKWARD_OUTPUTS,
-        seg_target=segment_target(2 * hv, dev) if seg_chunks is not None else 0)  # two CTAs per segment and head
+        q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks,
+        BACKWARD_OUTPUTS if given_inverse is None else BACKWARD_FROM_INVERSE_OUTPUTS,
+        seg_target=segment_target(2 * hv, dev) if seg_chunks is not None else 0,  # two CTAs per segment and head
+        a_r=given_inverse)
+    del given_inverse
     qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.a_u, prep.gamma, prep.a_r
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     del prep
@@ -287,14 +293,16 @@ def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     index_dtype = None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype]
     prepare, recompute = "prepared" not in saved, "h" not in saved
+    outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
     has_h0, has_dht = h0 is not None, dht is not None
-    key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, recompute, cp, has_h0, has_dht, block_v)
+    key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, outputs, recompute, cp, has_h0, has_dht,
+           block_v)
 
     def builders():
         kernels = [lambda: build_local_dv(dk, dv, tl_dtype), lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
                    lambda: build_qk_grads(dk, dv, tl_dtype)]
         if prepare:
-            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *BACKWARD_OUTPUTS))
+            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs))
             if index_dtype is not None:
                 kernels += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
         if recompute:

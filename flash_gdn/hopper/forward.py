@@ -26,12 +26,12 @@ from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, PrepareBuffers, build_prepare_wu,
-                         flat_inputs, launch_prepare, prepare_buffers, run_prepare)
+                         flat_inputs, launch_prepare, prepare_buffers, run_prepare, with_inverse)
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_output import build_state_output
 from .state_output_vmajor import build_state_output_vmajor
-from .tiles import TL_DTYPE, kernel_gate_dtype
+from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 
 
 class ForwardKernels(NamedTuple):
@@ -64,9 +64,10 @@ _KERNELS: dict[tuple, ForwardKernels] = {}
 
 
 def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                    fused=False) -> ForwardKernels:
-    """The configuration's kernels, compiled together at its first call (``prebuild``)."""
-    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused)
+                    fused=False, keep_inverse=False) -> ForwardKernels:
+    """The configuration's kernels, compiled together at its first call (``prebuild``).
+    ``keep_inverse``: the default forward also writes A_r for the backward."""
+    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused, keep_inverse)
     kernels = _KERNELS.get(key)
     if kernels is None:
         build_together(("forward", *key), lambda: forward_builders(*key))
@@ -76,7 +77,7 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                     fused=False) -> ForwardKernels:
+                     fused=False, keep_inverse=False) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     if fused:
         return ForwardKernels(None, None, None, lambda: build_forward_fused(dk, dv, tl_dtype, gate_dtype, has_h0))
@@ -92,7 +93,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
                                                    in_place=cp)
     default = not save_states
     return ForwardKernels(
-        lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp)),
+        lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp, keep_inverse)),
         # The default forward's transitions form U and W S from V, K and A_g, and are truncated
         # where gates decay (segment_state); the saved-state forward's read U and W, exact.
         (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default)) if cp else None,
@@ -102,19 +103,22 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
-                   state_v_first, save_states: bool = False):
+                   state_v_first, save_states: bool = False, for_backward: bool = False):
     """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``.
 
     The default forward goes through ``DefaultForward`` (kept per call key: host time). With
-    ``save_states``, ``extras`` holds what the backward would otherwise recompute:
+    ``for_backward`` (a backward will follow) it keeps each chunk's gate-free inverse for it:
+    ``extras["a_r"]`` [chunks, Hv, 64, 64] fp16, 128 bytes per token and value head, so that the
+    backward's ``prepare_wu`` reads A_r instead of solving for it again (as FLA keeps its A).
+    With ``save_states``, ``extras`` holds what the backward would otherwise recompute:
     ``prepared`` (W, gamma, inverse norms, A_r, the chunk plan; U dropped) and every chunk's start
     state ``h`` [chunks, Hv, K, V] and ``v_new`` [tokens, Hv, V] in the input dtype.
     """
     fused = use_fused(problem.head_k, problem.head_v, save_states)
     if not save_states and not fused:
-        o, final_state = default_forward_call(q, g, beta, problem, initial_state, cu_seqlens)(
+        o, final_state, a_r = default_forward_call(q, g, beta, problem, initial_state, cu_seqlens, for_backward)(
             q, k, v, g, beta, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first)
-        return o, final_state, {}
+        return o, final_state, ({} if a_r is None else {"a_r": a_r})
     batch, seq_len, num_seqs = problem.batch, problem.seq_len, problem.num_seqs
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
@@ -179,20 +183,23 @@ def release_workspaces() -> None:
         _CALLS.clear()
 
 
-def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens) -> "DefaultForward":
+def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens,
+                         keep_inverse: bool = False) -> "DefaultForward":
     """The ``DefaultForward`` of this call: a kept one for its key, or a new one (kept unless
     capturing a CUDA graph)."""
     gate_dtype = kernel_gate_dtype(g, beta, q.dtype)
     index_dtype = None if cu_seqlens is None else cu_seqlens.dtype
     dev, has_h0 = q.device, initial_state is not None
     if planning.capturing(dev):
-        return DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=False)
+        return DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=False,
+                              keep_inverse=keep_inverse)
     stream = planning.current_stream_handle(dev) if dev.type == "cuda" else None
-    key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(),
+    key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(), keep_inverse,
            env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
     call = _CALLS.get(key)
     if call is None:
-        call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True)
+        call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True,
+                              keep_inverse=keep_inverse)
         with _CALLS_LOCK:  # (the miss path only: other threads may be adding or dropping entries)
             while len(_CALLS) >= CALLS_KEPT:
                 del _CALLS[next(iter(_CALLS))]
@@ -214,9 +221,12 @@ class _Workspace(NamedTuple):
 
 class DefaultForward:
     """The default forward for one key of ``_CALLS``: its decisions (CP segments, the split
-    output kernel) and kernels made once, its intermediates allocated per call or kept."""
+    output kernel) and kernels made once, its intermediates allocated per call or kept. With
+    ``keep_inverse`` ``prepare_wu`` also writes A_r, into a buffer of the call's own (it is
+    returned for the backward, so never kept)."""
 
-    def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device, keep: bool):
+    def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device, keep: bool,
+                 keep_inverse: bool = False):
         num_seqs, hv, dk, dv = problem.num_seqs, problem.num_v_heads, problem.head_k, problem.head_v
         varlen = index_dtype is not None
         self.problem, self.dtype, self.gate_dtype, self.dev = problem, dtype, gate_dtype, dev
@@ -225,10 +235,11 @@ class DefaultForward:
         self.cp = segments is not None
         split = split_output(self.cp, num_seqs, hv, dv, dev)
         self.rule = tuple(segments) if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
-        self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS
+        self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS  # (the workspace's: A_r is per call)
+        self.keep_inverse = keep_inverse
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
-                                       split)
+                                       split, keep_inverse=keep_inverse)
         self.keep = keep
         self.workspace: _Workspace | None = None
 
@@ -255,12 +266,17 @@ class DefaultForward:
 
     def __call__(self, q, k, v, g, beta, initial_state, output_final_state: bool, use_l2: bool, cu_seqlens,
                  state_v_first: bool):
-        """``(o, final_state)`` as ``hopper_forward`` returns them."""
+        """``(o, final_state, a_r)`` as ``hopper_forward`` returns them (``a_r``: None unless
+        ``keep_inverse``)."""
         p, kernels = self.problem, self.kernels
         flat = flat_inputs(q, k, v, g, beta, p, self.gate_dtype)
         plan = plan_for(p.batch, p.seq_len, cu_seqlens, self.dev, *self.rule)
         ws = self.workspace or self._workspace(plan)
-        prep = ws.prep
+        prep, a_r = ws.prep, None
+        if self.keep_inverse:
+            a_r = torch.empty(plan.chunk_bounds.shape[0], p.num_v_heads, CHUNK, CHUNK, dtype=torch.float16,
+                              device=self.dev)
+            prep = prep._replace(a_r=a_r)
         launch_prepare(kernels.prepare, flat, plan, prep, use_l2)
         qf, kf, vf = flat[:3]
         h0 = _kernel_h0(initial_state, state_v_first)
@@ -278,7 +294,7 @@ class DefaultForward:
             final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
                                            h0, p.scale, o, (), output_final_state)
         o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
-        return o, _caller_layout(final_state, output_final_state, state_v_first)
+        return o, _caller_layout(final_state, output_final_state, state_v_first), a_r
 
 
 def _kernel_h0(initial_state, state_v_first: bool):
@@ -348,17 +364,19 @@ def _fused_forward(kernel: Launcher, q, k, v, g, beta, problem: Problem, h0, use
     return o, final_state
 
 
-def _prepare_outputs(save_states: bool, cp: bool) -> tuple[bool, bool, bool, bool]:
+def _prepare_outputs(save_states: bool, cp: bool, keep_inverse: bool = False) -> tuple[bool, ...]:
     if save_states:
         return SAVED_STATE_OUTPUTS
-    return FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
+    outputs = FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
+    return with_inverse(outputs) if keep_inverse else outputs
 
 
-def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False, fused=False):
+def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False, fused=False,
+                     keep_inverse=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
     builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                                            fused)
+                                            fused, keep_inverse)
                 if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]

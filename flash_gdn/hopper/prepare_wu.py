@@ -39,17 +39,25 @@ from .launch import Launcher
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
-# What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound): the
-# forward's state kernel and its CP segment transitions form U from A_g and W S from K and A_g
-# (so W is not written); the CP forward also needs each chunk's bound on the norm of its
-# transition (``write_bound``, for ``segment_state``'s truncation); the backward reads W and
-# also needs A_r; the forward that saves its chunk states runs
+# What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound,
+# read_inverse): the forward's state kernel and its CP segment transitions form U from A_g and
+# W S from K and A_g (so W is not written); the CP forward also needs each chunk's bound on the
+# norm of its transition (``write_bound``, for ``segment_state``'s truncation); the backward
+# reads W and also needs A_r, which a forward run for a backward keeps (``with_inverse``: the
+# chunk inverse is most of this kernel's work, so the backward then reads A_r instead of
+# solving again, ``read_inverse``); the forward that saves its chunk states runs
 # ``state_output``, which reads U and W, and keeps A_r and W for the backward. The launch code
 # and the prebuild lists (forward_builders, backward._build_kernels, variants) all take these.
-FORWARD_OUTPUTS = (False, False, True, False, False)
-FORWARD_CP_OUTPUTS = (False, False, True, False, True)
-BACKWARD_OUTPUTS = (True, False, True, True, False)
-SAVED_STATE_OUTPUTS = (True, True, False, True, False)
+FORWARD_OUTPUTS = (False, False, True, False, False, False)
+FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
+BACKWARD_OUTPUTS = (True, False, True, True, False, False)
+BACKWARD_FROM_INVERSE_OUTPUTS = (False, False, True, True, False, True)
+SAVED_STATE_OUTPUTS = (True, True, False, True, False, False)
+
+
+def with_inverse(outputs: tuple) -> tuple:
+    """``outputs`` that also write A_r (a forward whose backward follows)."""
+    return (True, *outputs[1:])
 # log_bound of a chunk in which some key may expand the state (beta |k_hat|^2 outside [0, 2]):
 # large enough that no sum of gate totals brings a window holding it below the truncation level.
 EXPANDING = 1e30
@@ -57,19 +65,22 @@ EXPANDING = 1e30
 
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
-                     write_u: bool = True, write_au: bool = False, write_w: bool = True, write_bound: bool = False):
+                     write_u: bool = True, write_au: bool = False, write_w: bool = True, write_bound: bool = False,
+                     read_inverse: bool = False):
     return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w,
-                                       write_bound))
+                                       write_bound, read_inverse))
 
 
 @tilelang.jit
 def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, write_bound,
-                       threads=128):
+                       read_inverse, threads=128):
+    assert not (read_inverse and (write_inverse or write_bound)), "A_r is read or made, not both"
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
-    # a_r has its own extents: without write_inverse it is not touched and any small buffer will do.
+    # a_r has its own extents: without write_inverse or read_inverse it is not touched and any
+    # small buffer will do.
     inverse_chunks = T.dynamic("inverse_chunks")
     inverse_heads = T.dynamic("inverse_heads")
     # Likewise U and A_g when not written.
@@ -110,12 +121,13 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             qqt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
-            lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM)
-            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            # The blocked inverse's tiles; reading A_r, only diag16 (A_r's landing tile).
+            lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM) if not read_inverse else None
+            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF) if not read_inverse else None
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            left = T.alloc_fragment((CHUNK, CHUNK), HALF)
-            column = T.alloc_local((BLOCK,), ACCUM)
+            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF) if not read_inverse else None
+            left = T.alloc_fragment((CHUNK, CHUNK), HALF) if not read_inverse else None
+            column = T.alloc_local((BLOCK,), ACCUM) if not read_inverse else None
             inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
             a_w = T.alloc_shared((CHUNK, CHUNK), dtype) if write_w else None
@@ -133,11 +145,14 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             largest = T.alloc_local((1,), ACCUM) if write_bound else None
             k_ready = T.alloc_barrier(threads)
             v_ready = T.alloc_barrier(threads) if write_u else None
+            ar_ready = T.alloc_barrier(threads) if read_inverse else None
+            sink = T.alloc_var(HALF) if write_inverse else None
             if not write_w and not write_u:
                 # The forward's variant (A_g only) needs 34 KB of shared memory: six CTAs per SM
                 # fit if ptxas holds it to 80 registers (from 115; 8 bytes spilled). Measured on
                 # an H200: -8 % against four per SM, -4 % with five (docs/performance.md v10).
-                T.annotate_min_blocks_per_sm(6)
+                # Writing A_r as well, 80 registers spill 216 bytes: five per SM (102 registers).
+                T.annotate_min_blocks_per_sm(5 if write_inverse else 6)
 
             qk_head = head // (num_v_heads // num_qk_heads)
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
@@ -152,13 +167,19 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 if write_u:
                     T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
                     T.barrier_arrive(v_ready)
+                if read_inverse:  # the forward's A_r (fp16), in place of K K^T's inverse
+                    T.tma_copy(a_r[chunk_id, head, 0:CHUNK, 0:CHUNK], diag16, barrier=ar_ready)
+                    T.barrier_arrive(ar_ready)
                 beta_r = T.cast(0, ACCUM)
                 g_r = T.cast(0, ACCUM)
                 if tx < length:
                     beta_r = T.cast(beta[start + tx, head], ACCUM)
                     g_r = T.cast(g[start + tx, head], ACCUM)
                 T.mbarrier_wait_parity(k_ready, 0)
-                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                if not read_inverse:
+                    T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                elif normalize != 0:  # only for the norms of k (its diagonal)
+                    T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 if tx < CHUNK:
                     beta_s[tx] = beta_r
                     g_s[tx] = g_r
@@ -179,7 +200,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 # Element-wise work in registers, fragments to shared memory whole. Each select picks
                 # between registers and the shared-memory factors multiply outside it: a select with a
                 # load in an operand compiles to a branch per element (64 for this one loop).
-                if write_bound:
+                if read_inverse:
+                    T.mbarrier_wait_parity(ar_ready, 0)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        inv[i, j] = T.cast(diag16[i, j], ACCUM)
+                elif write_bound:
                     # Whether some key may expand the state. The chunk's transition is a product of
                     # e^g_t (I - beta_t k_hat_t k_hat_t^T), of norm at most e^g_t where 0 <= beta_t
                     # |k_hat_t|^2 <= 2, the diagonal of diag(beta r) K K^T diag(r). Sufficient, and
@@ -197,10 +222,15 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 else:
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-                blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
+                if not read_inverse:
+                    blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
                     T.copy(inv, diag16)  # free after the first merge
-                    T.copy(diag16, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
+                    # Not waited for here (the A_g store below, or the wait at the end, waits for it):
+                    # waiting held the CTA for the store's read of shared memory, +40 % on the
+                    # forward's variant (H200, 16/32 x 1x32768). diag16 stays live until then (the
+                    # read of ``sink`` below), so that TileLang does not lay A_w or A_g over it.
+                    T.tma_copy(diag16, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
 
                 # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
                 # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
@@ -244,6 +274,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                         log_bound[head, chunk_id] = gamma_s[CHUNK - 1] + T.if_then_else(
                             expands[0] != 0, T.cast(EXPANDING, ACCUM), T.cast(0, ACCUM))
 
+                if write_inverse:
+                    if not write_au:  # (with write_au, the A_g store waited for A_r's)
+                        T.tma_store_wait(0)
+                    if length < 0:  # never: keeps diag16 live past the wait
+                        sink = diag16[0, 0]
                 if writes_norms != 0:
                     for i in T.Parallel(CHUNK):
                         q_inv[i] = T.cast(1, ACCUM)
@@ -334,10 +369,10 @@ class PrepareBuffers(NamedTuple):
 
 
 def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.device,
-                    outputs: tuple[bool, bool, bool, bool, bool]) -> PrepareBuffers:
+                    outputs: tuple[bool, ...], a_r: torch.Tensor | None = None) -> PrepareBuffers:
     """``prepare_wu``'s output buffers for ``num_chunks`` chunks (the plan's capacity);
-    ``outputs`` as in ``run_prepare``."""
-    write_inverse, write_u, write_au, write_w, write_bound = outputs
+    ``outputs`` as in ``run_prepare``; ``a_r``: the forward's A_r where the variant reads it."""
+    write_inverse, write_u, write_au, write_w, write_bound, read_inverse = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
@@ -355,8 +390,14 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
         (hv, hqk, hqk))
     log_bound = (factors[rows * num_chunks * CHUNK:].view(hv, num_chunks) if write_bound
                  else unused_buffer(dev, torch.float32, (1, 1)))
-    a_r = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev) if write_inverse
-           else unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK)))
+    if read_inverse:
+        if a_r is None or a_r.shape != (num_chunks, hv, CHUNK, CHUNK) or a_r.dtype != torch.float16:
+            raise ValueError(f"read_inverse needs the forward's A_r [{num_chunks}, {hv}, {CHUNK}, {CHUNK}] fp16, got "
+                             f"{None if a_r is None else (tuple(a_r.shape), a_r.dtype)}")
+    elif write_inverse:
+        a_r = torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev)
+    else:
+        a_r = unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK))
     return PrepareBuffers(w, u, a_u, gamma, q_norm_inv, k_norm_inv, a_r, log_bound)
 
 
@@ -368,25 +409,26 @@ def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareB
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
-                outputs: tuple[bool, bool, bool, bool, bool] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
-                seg_target: int = 0, wave_ctas: int = 0) -> Prepared:
+                outputs: tuple[bool, ...] = FORWARD_OUTPUTS, kernel: Launcher | None = None,
+                seg_target: int = 0, wave_ctas: int = 0, a_r: torch.Tensor | None = None) -> Prepared:
     """Plan the chunks (and segments of ``seg_chunks`` chunks or more, at most ``seg_target`` of
     them where lengths allow: ``planning.balanced_segment_chunks``, or with ``wave_ctas``
     ``planning.wave_segment_chunks``; for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
-    write_au, write_w, write_bound), one of the ``*_OUTPUTS`` above; A_r costs 128 bytes per token
-    and value head.
+    write_au, write_w, write_bound, read_inverse), one of the ``*_OUTPUTS`` above; A_r costs 128
+    bytes per token and value head. ``a_r``: with ``read_inverse``, the forward's A_r (the chunk
+    numbering depends on the sequences alone, not on the segments, so it matches this plan's).
     ``kernel``: the variant for ``outputs``, where the caller has it resolved already."""
-    write_inverse, write_u, write_au, write_w, write_bound = outputs
+    write_inverse, write_u, write_au, write_w, write_bound, read_inverse = outputs
     dtype, dev = q.dtype, q.device
     gate_dtype = kernel_gate_dtype(g, beta, dtype)
     flat = flat_inputs(q, k, v, g, beta, problem, gate_dtype)
     plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target, wave_ctas)
-    out = prepare_buffers(problem, plan.chunk_bounds.shape[0], dtype, dev, outputs)
+    out = prepare_buffers(problem, plan.chunk_bounds.shape[0], dtype, dev, outputs, a_r)
     if kernel is None:
         kernel = build_prepare_wu(problem.head_k, problem.head_v, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)
     launch_prepare(kernel, flat, plan, out, use_l2)
     qf, kf, vf, _, bf = flat
     return Prepared(plan, qf, kf, vf, bf, out.w if write_w else None, out.u if write_u else None, out.gamma,
-                    out.q_norm_inv, out.k_norm_inv, out.a_r if write_inverse else None,
+                    out.q_norm_inv, out.k_norm_inv, out.a_r if write_inverse or read_inverse else None,
                     out.a_u if write_au else None, out.log_bound if write_bound else None)

@@ -14,7 +14,8 @@ from .forward_fused import build_forward_fused
 from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
-from .prepare_wu import BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, build_prepare_wu
+from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS,
+                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_inverse)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -25,7 +26,9 @@ from .state_output_vmajor import build_state_output_vmajor
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
-PREPARE_OUTPUTS = (FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, BACKWARD_OUTPUTS, SAVED_STATE_OUTPUTS)
+# The forward's outputs alone (inference) and with A_r kept for a backward (training).
+PREPARE_OUTPUTS = (FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, with_inverse(FORWARD_OUTPUTS), with_inverse(FORWARD_CP_OUTPUTS),
+                   BACKWARD_OUTPUTS, BACKWARD_FROM_INVERSE_OUTPUTS, SAVED_STATE_OUTPUTS)
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -37,7 +40,7 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # Outputs (write_inverse, write_u, write_au, write_w, write_bound): prepare_wu's *_OUTPUTS.
+    # Outputs (write_inverse, write_u, write_au, write_w, write_bound, read_inverse): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
     # skip_first_m: the forward's without an initial state. truncate and form_w: the default

@@ -171,21 +171,30 @@ def _backward_inputs(lengths, hqk, hv, l2, batch=1, d=128):
     return q, k, v, g, beta, h0, cu
 
 
-def _check_whole_backward(lengths, hqk, hv, l2, state_v_first, batch=1):
+def _check_whole_backward(lengths, hqk, hv, l2, state_v_first, batch=1, inverse="solved"):
+    """The whole Hopper backward against fp64 autograd. ``inverse``: "solved" (prepare_wu solves
+    for the chunk inverse, as after a forward that kept nothing) or "from_forward" (it reads
+    the A_r that a forward run for a backward kept, the autograd default); returns the grads."""
     from flash_gdn.hopper.backward import hopper_backward
+    from flash_gdn.hopper.forward import hopper_forward
 
     q, k, v, g, beta, h0, cu = _backward_inputs(lengths, hqk, hv, l2, batch)
     ref, do, dht = _naive_grads(q, k, v, g, beta, h0, cu, l2, state_v_first)
     init = h0.transpose(-1, -2).contiguous() if state_v_first else h0
     problem = check_inputs(q, k, v, g, beta, None, init, cu, state_v_first)
+    saved = None
+    if inverse == "from_forward":
+        _, _, saved = hopper_forward(q, k, v, g, beta, problem, init, False, l2, cu, state_v_first, for_backward=True)
+        assert set(saved) == {"a_r"}
     with poisoned():
         grads = hopper_backward(q, k, v, g, beta, do.to(torch.bfloat16), dht.float(), problem, init, l2, cu,
-                                state_v_first)
+                                state_v_first, saved)
     got = dict(zip(("q", "k", "v", "g", "beta", "h0"), grads))
     for name, tol in dict(q=1e-2, k=1e-2, v=1e-2, g=2e-2, beta=2e-2, h0=1e-2).items():
         assert got[name].shape == ref[name].shape, name
         assert torch.isfinite(got[name]).all(), name
         assert rel_err(got[name], ref[name]) <= tol, (name, rel_err(got[name], ref[name]))
+    return got
 
 
 LENGTHS = [1, 0, 64, 300, 5, 129, 700]
@@ -199,8 +208,27 @@ LENGTHS = [1, 0, 64, 300, 5, 129, 700]
     (2, 6, False, False),  # 3x: an odd group (qk_grads' two state slots)
     (1, 8, True, False),   # 8x
 ])
-def test_hopper_backward_matches_naive_autograd(hqk, hv, l2, state_v_first):
-    _check_whole_backward(LENGTHS, hqk, hv, l2, state_v_first)
+@pytest.mark.parametrize("inverse", ["solved", "from_forward"])
+def test_hopper_backward_matches_naive_autograd(hqk, hv, l2, state_v_first, inverse):
+    _check_whole_backward(LENGTHS, hqk, hv, l2, state_v_first, inverse=inverse)
+
+
+@pytest.mark.parametrize("seg_chunks", [None, 2, 3])
+def test_forward_inverse_serves_the_backward_plan(monkeypatch, seg_chunks):
+    """The A_r a forward keeps is indexed by chunk, and chunks are numbered by sequence alone,
+    so it serves the backward's own plan whatever either cuts into CP segments (forced here:
+    the forward's segments and the backward's alike; None: each by its own rule). Reading it
+    and solving again agree within the rounding of A_r to fp16."""
+    if seg_chunks:
+        monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
+    lengths = [1, 0, 64, 300, 5, 129, 1000]
+    torch.manual_seed(11)
+    solved = _check_whole_backward(lengths, 2, 8, True, False)
+    torch.manual_seed(11)
+    read = _check_whole_backward(lengths, 2, 8, True, False, inverse="from_forward")
+    for name in solved:  # (dg and dbeta sum bf16 roundings over whole sequences: as for saved states below)
+        agree = 1e-2 if name in ("g", "beta") else 5e-3
+        assert rel_err(read[name], solved[name]) <= agree, (name, rel_err(read[name], solved[name]))
 
 
 @pytest.mark.parametrize("block_v", [128, 32, 16])

@@ -80,15 +80,20 @@ def _inputs(lengths, hqk, hv, d=128):
 ROWS = [([4096], 2, 8), ([2048, 2048], 16, 64), ([8192], 16, 16), ([1024, 7168], 8, 24)]
 
 
+# How the forward runs: inference, for a backward (A_r kept), saving the chunk states.
+FORWARD_MODES = {"inference": {}, "for_backward": dict(for_backward=True),
+                 "save_states": dict(save_states=True, for_backward=True)}
+
+
 @pytest.mark.parametrize("lengths, hqk, hv", ROWS)
 @pytest.mark.parametrize("with_h0", [False, True])
-@pytest.mark.parametrize("save_states", [False, True])
-def test_forward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, with_h0, save_states):
+@pytest.mark.parametrize("mode", sorted(FORWARD_MODES))
+def test_forward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, with_h0, mode):
     from flash_gdn.hopper.forward import hopper_forward
 
     q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
     h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
-    hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, save_states=save_states)
+    hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, **FORWARD_MODES[mode])
     assert recorder.launched and recorder.launched <= recorder.built, recorder.launched - recorder.built
 
 
@@ -112,15 +117,16 @@ BACKWARD_ROWS = [([8192], 2, 4), ([2048, 2048], 16, 64), ([32768], 4, 8)]
 
 @pytest.mark.parametrize("lengths, hqk, hv", BACKWARD_ROWS)
 @pytest.mark.parametrize("with_h0, with_dht", [(False, False), (True, True)])
-@pytest.mark.parametrize("save_states", [False, True])
-def test_backward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, with_h0, with_dht, save_states):
+@pytest.mark.parametrize("mode", sorted(FORWARD_MODES))  # inference: a forward that kept nothing
+def test_backward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, with_h0, with_dht, mode):
     from flash_gdn.hopper.backward import backward_stages
     from flash_gdn.hopper.forward import hopper_forward
 
     q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
     h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
     dht = torch.zeros(len(lengths), hv, 128, 128) if with_dht else None
-    _, _, extras = hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, save_states=save_states)
+    _, _, extras = hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, **FORWARD_MODES[mode])
+    assert ("a_r" in extras) == (mode == "for_backward")
     recorder.built.clear()
     recorder.launched.clear()
     backward_stages(q, k, v, g, beta, torch.randn_like(v), dht, problem, h0, False, cu, extras)
