@@ -129,16 +129,15 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
     seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
     cp, block_v = _sequential_layout(saved, seg_chunks, problem, dev)
+    # Reads the chunk inverse where the forward kept it (saved["a_r"]), else solves for it.
+    outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
     _build_kernels(problem, tl_dtype, TL_DTYPE[kernel_gate_dtype(g, beta, dtype)], cu_seqlens, initial_state, dht,
-                   cp, block_v, saved)
+                   cp, block_v, saved, outputs)
     # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
-    given_inverse = saved.get("a_r")
     prep = saved.get("prepared") or run_prepare(
-        q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks,
-        BACKWARD_OUTPUTS if given_inverse is None else BACKWARD_FROM_INVERSE_OUTPUTS,
+        q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, outputs,
         seg_target=segment_target(2 * hv, dev) if seg_chunks is not None else 0,  # two CTAs per segment and head
-        a_r=given_inverse)
-    del given_inverse
+        a_r=saved.get("a_r"))
     qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.a_u, prep.gamma, prep.a_r
     q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
     del prep
@@ -287,13 +286,13 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
     return cp, state_block_v(problem.head_v, problem.num_seqs, problem.num_v_heads, dev, run_chunks)
 
 
-def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block_v, saved):
+def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block_v, saved, outputs):
     """Compile the kernels this call launches side by side at their first use (``prebuild``;
-    a kernel left out here is still compiled when it first launches)."""
+    a kernel left out here is still compiled when it first launches). ``outputs``: the
+    prepare_wu variant the call runs."""
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     index_dtype = None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype]
     prepare, recompute = "prepared" not in saved, "h" not in saved
-    outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
     has_h0, has_dht = h0 is not None, dht is not None
     key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, outputs, recompute, cp, has_h0, has_dht,
            block_v)

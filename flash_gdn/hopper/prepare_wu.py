@@ -53,14 +53,14 @@ FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
 BACKWARD_OUTPUTS = (True, False, True, True, False, False)
 BACKWARD_FROM_INVERSE_OUTPUTS = (False, False, True, True, False, True)
 SAVED_STATE_OUTPUTS = (True, True, False, True, False, False)
+# log_bound of a chunk in which some key may expand the state (beta |k_hat|^2 outside [0, 2]):
+# large enough that no sum of gate totals brings a window holding it below the truncation level.
+EXPANDING = 1e30
 
 
 def with_inverse(outputs: tuple) -> tuple:
     """``outputs`` that also write A_r (a forward whose backward follows)."""
     return (True, *outputs[1:])
-# log_bound of a chunk in which some key may expand the state (beta |k_hat|^2 outside [0, 2]):
-# large enough that no sum of gate totals brings a window holding it below the truncation level.
-EXPANDING = 1e30
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,7 +151,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 # The forward's variant (A_g only) needs 34 KB of shared memory: six CTAs per SM
                 # fit if ptxas holds it to 80 registers (from 115; 8 bytes spilled). Measured on
                 # an H200: -8 % against four per SM, -4 % with five (docs/performance.md v10).
-                # Writing A_r as well, 80 registers spill 216 bytes: five per SM (102 registers).
+                # Writing A_r as well, 80 registers spill 216 bytes: five per SM (96 registers).
                 T.annotate_min_blocks_per_sm(5 if write_inverse else 6)
 
             qk_head = head // (num_v_heads // num_qk_heads)
