@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from . import dispatch
+from .compiled import compiled_call
 from .env import env_get
 from .fla_compat import apply_fla_options
 from .reference.chunked import chunked_forward
@@ -269,11 +270,21 @@ def chunk_gated_delta_rule(
         ``(o, final_state)``: o ``[B, T, Hv, V]`` in v's dtype; final_state or None.
         Differentiable with respect to q, k, v, g, beta and initial_state.
     """
+    compiling = torch.compiler.is_compiling()
+    if compiling and save_chunk_states:  # (its saved intermediates are not op outputs: a graph break)
+        return _eager_chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            state_v_first, save_chunk_states, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+            cp_context=cp_context, **fla_kwargs)
     if fla_kwargs or use_beta_sigmoid_in_kernel or allow_neg_eigval or cp_context is not None:
-        # (shapes first: the transforms below keep them)
-        check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+        if not compiling:  # (shapes first: the transforms below keep them; compiled, the op's shape function checks)
+            check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
         g, beta, state_v_first = apply_fla_options(g, beta, v.shape[2], state_v_first, use_beta_sigmoid_in_kernel,
                                                    allow_neg_eigval, cp_context, fla_kwargs)
+    if compiling:  # one opaque op per direction (compiled.py)
+        return compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                             cu_seqlens, state_v_first)
     problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     check_flag("save_chunk_states", save_chunk_states)
     path = _choose_path(q, problem)
@@ -287,3 +298,7 @@ def chunk_gated_delta_rule(
     out = _HopperGDN.apply(q, k, v, g, beta, initial_state, problem, output_final_state, use_qk_l2norm_in_kernel,
                            cu_seqlens, state_v_first, save_chunk_states)
     return (out[0], out[1]) if output_final_state else (out[0], None)
+
+
+# The eager API called from a compiled region where the ops cannot serve (a graph break).
+_eager_chunk_gated_delta_rule = torch.compiler.disable(chunk_gated_delta_rule)

@@ -11,7 +11,9 @@ and the kernels' reference.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -196,8 +198,29 @@ def _device_plan(batch, seq_len, cu_seqlens, device, seg_chunks, seg_target=0, w
     return ChunkPlan(bounds, seq_info, chunk_seq, SegmentPlan(seg_info, transition_info, seg_meta, max_segs))
 
 
+_KEEP_NOTHING = threading.local()
+
+
+@contextlib.contextmanager
+def keep_nothing():
+    """Within it no call keeps device memory for later calls (plans, workspaces, small
+    buffers), as during a CUDA-graph capture. The ``torch.compile`` ops run in it: CUDA-graph
+    trees run their warm-up calls in the graph's memory pool without capturing, and refuse
+    allocations from that pool that outlive the call."""
+    previous = getattr(_KEEP_NOTHING, "on", False)
+    _KEEP_NOTHING.on = True
+    try:
+        yield
+    finally:
+        _KEEP_NOTHING.on = previous
+
+
 def capturing(device) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of a CUDA ``device``."""
+    """Whether this call may keep nothing for later calls: a CUDA graph is being captured on
+    the current stream of a CUDA ``device`` (its plan must then be computed at replay, from
+    the buffers' contents), or the call runs inside ``keep_nothing``."""
+    if getattr(_KEEP_NOTHING, "on", False):
+        return True
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 

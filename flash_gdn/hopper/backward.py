@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..planning import chunk_capacity
+from ..planning import capturing, chunk_capacity
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .context_parallel import backward_segment_chunks_for, num_sms, segment_target
@@ -67,9 +67,12 @@ def _state_placeholder(device: torch.device, num_v_heads: int, head_k: int, head
     argument where none was given (made once per device and shape, so no allocation on the hot
     path; the kernel's loads of it are bounds-guarded as well as skipped by its flag)."""
     key = (device, num_v_heads, head_k, head_v)
-    if key not in _placeholders:
-        _placeholders[key] = torch.zeros(1, num_v_heads, head_k, head_v, dtype=torch.float32, device=device)
-    return _placeholders[key]
+    placeholder = _placeholders.get(key)
+    if placeholder is None:
+        placeholder = torch.zeros(1, num_v_heads, head_k, head_v, dtype=torch.float32, device=device)
+        if not capturing(device):  # (not from a graph's memory pool)
+            _placeholders[key] = placeholder
+    return placeholder
 
 
 STATE_BLOCKS = (16, 32, 64)  # column splits of the sequential stages at V = 128, narrowest first

@@ -34,7 +34,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from ..planning import ChunkPlan, plan_for
+from ..planning import ChunkPlan, capturing, plan_for
 from .launch import Launcher
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
@@ -327,12 +327,12 @@ _UNUSED: dict[tuple, torch.Tensor] = {}
 def unused_buffer(dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The argument for an output a variant does not write (A_r, U or A_g; never read or
     written): one small buffer per device and dtype, kept across calls (not from a graph
-    capture's memory pool)."""
+    capture's memory pool, ``planning.capturing``)."""
     key = (dev, dtype, shape)
     buf = _UNUSED.get(key)
     if buf is None:
         buf = torch.empty(shape, dtype=dtype, device=dev)
-        if dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if not capturing(dev):
             _UNUSED[key] = buf
     return buf
 
