@@ -43,9 +43,9 @@ def _problem(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, 
 
 
 def _keeps_inverse(q: torch.Tensor, problem: Problem, keep_inverse: bool) -> bool:
-    """Whether the forward returns the chunk inverse A_r: asked for, on the Hopper path, and
-    not through the opt-in fused kernel (which has no A_r). The same rule for the real
-    forward and its shape function."""
+    """Whether the forward op returns a chunk inverse A_r (its shape function's copy of
+    ``hopper_forward``'s rule): asked for, on the Hopper path, and not through the opt-in
+    fused kernel (which has no A_r). The real op returns what the forward kept."""
     if not keep_inverse or not dispatch.hopper_forward_supports(q, problem)[0]:
         return False
     from .hopper.forward import use_fused
@@ -110,9 +110,7 @@ def backward_op(do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, 
     else:
         grads = _portable_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, problem.scale, use_l2,
                                 state_v_first)
-    dh0 = grads[5]
-    if dh0 is None:
-        dh0 = _absent(q, q.dtype if initial_state is None else initial_state.dtype)
+    dh0 = _absent(q, q.dtype) if grads[5] is None else grads[5]  # (None: no initial state)
     return tuple(x.contiguous() for x in (*grads[:5], dh0))
 
 

@@ -1,4 +1,5 @@
-"""Wall time of a training step (forward + backward through autograd) per call on a GPU host:
+"""Wall time of a training step (forward + backward through autograd) per call on a GPU host
+(steady state of steps issued back to back, ``bench.timing.eager_time_ms``):
 eager, ``torch.compile`` (Inductor, ``fullgraph=True``) and ``mode="reduce-overhead"`` (CUDA-graph
 trees), and the kernels' busy time (torch.profiler), for the rows given.
 
@@ -6,30 +7,14 @@ trees), and the kernels' busy time (torch.profiler), for the rows given.
 """
 
 import sys
-import time
 
 import torch
 
 from flash_gdn import chunk_gated_delta_rule
-from flash_gdn.bench.timing import kernel_time_ms
+from flash_gdn.bench.timing import eager_time_ms, kernel_time_ms
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from profile_kernels import row_inputs  # noqa: E402
-
-
-def wall_us(step, calls: int = 30, repeats: int = 5) -> float:
-    """Best of ``repeats`` batches of ``calls`` steps, each batch until its work is done."""
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def main(specs):
@@ -47,7 +32,10 @@ def main(specs):
         times = []
         for fn in (loss, torch.compile(loss, fullgraph=True),
                    torch.compile(loss, fullgraph=True, mode="reduce-overhead")):
-            times.append(wall_us(lambda fn=fn: fn(**leaves).backward()))
+            step = lambda fn=fn: fn(**leaves).backward()  # noqa: E731
+            for _ in range(5):  # compiles, records the CUDA graphs
+                step()
+            times.append(eager_time_ms(step, 80) * 1e3)
         kernels = kernel_time_ms(lambda: loss(**leaves).backward(), 10) * 1e3
         print(f"{spec:<16} {times[0]:8.0f} {times[1]:8.0f} {times[2]:16.0f} {kernels:8.0f}", flush=True)
 
