@@ -146,11 +146,18 @@ def chunk_gated_delta_rule_bwd(
     return _portable_backward(do, dht, saved)
 
 
-def _hopper_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
-    """The Hopper backward kernels (``FLASH_GDN_PORTABLE_BACKWARD=1`` swaps in the portable one)."""
-    from .hopper.backward import hopper_backward
+_HOPPER_BACKWARD = None
 
-    return GDNGrads(*hopper_backward(saved.q, saved.k, saved.v, saved.g, saved.beta, do, dht, saved.problem,
+
+def _hopper_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
+    """The Hopper backward kernels (``FLASH_GDN_PORTABLE_BACKWARD=1`` swaps in the portable one);
+    ``hopper.backward`` imported at the first call, as ``_hopper_forward`` does."""
+    global _HOPPER_BACKWARD
+    if _HOPPER_BACKWARD is None:
+        from .hopper.backward import hopper_backward
+
+        _HOPPER_BACKWARD = hopper_backward
+    return GDNGrads(*_HOPPER_BACKWARD(saved.q, saved.k, saved.v, saved.g, saved.beta, do, dht, saved.problem,
                                      saved.initial_state, saved.use_qk_l2norm_in_kernel, saved.cu_seqlens,
                                      saved.state_v_first, saved.extras))
 

@@ -15,10 +15,11 @@ modes capture the kernels. Absent results are 0-element tensors (``final_state``
 asked for, ``a_r`` off the Hopper path or without a backward, ``dh0`` without an initial
 state). The ops run the same implementations as eager calls (the Hopper kernels or the
 portable path, chosen per call as in eager); eager calls do not go through them (the
-dispatcher adds host time). Inside the ops nothing is kept for later calls
-(``planning.keep_nothing``: no kept plans or workspaces), as during a CUDA-graph capture:
-CUDA-graph trees (``mode="reduce-overhead"``) run their warm-up calls in the graph's memory
-pool and refuse allocations that outlive them. ``save_chunk_states=True`` under compile runs
+dispatcher adds host time). Inside the ops nothing is kept for later calls while CUDA-graph
+trees (``mode="reduce-overhead"``) warm up or record (``planning.keep_nothing``: no kept plans
+or workspaces, as during a CUDA-graph capture): they run their warm-up calls in the graph's
+memory pool and refuse allocations that outlive them. Otherwise the ops keep what eager calls
+keep. ``save_chunk_states=True`` under compile runs
 the eager API (a graph break): its saved intermediates are not op outputs.
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 from typing import NamedTuple
@@ -204,9 +205,11 @@ _KEEP_NOTHING = threading.local()
 @contextlib.contextmanager
 def keep_nothing():
     """Within it no call keeps device memory for later calls (plans, workspaces, small
-    buffers), as during a CUDA-graph capture. The ``torch.compile`` ops run in it: CUDA-graph
-    trees run their warm-up calls in the graph's memory pool without capturing, and refuse
-    allocations from that pool that outlive the call."""
+    buffers) while Inductor's CUDA-graph trees may be allocating from a graph's memory pool,
+    as during a CUDA-graph capture. The ``torch.compile`` ops run in it: CUDA-graph trees
+    (``mode="reduce-overhead"``) run their warm-up calls in the graph's memory pool without
+    capturing, and refuse allocations from that pool that outlive the call. Elsewhere (the
+    default mode, or a graph tree replaying) the ops keep what eager calls keep."""
     previous = getattr(_KEEP_NOTHING, "on", False)
     _KEEP_NOTHING.on = True
     try:
@@ -218,10 +221,28 @@ def keep_nothing():
 def capturing(device) -> bool:
     """Whether this call may keep nothing for later calls: a CUDA graph is being captured on
     the current stream of a CUDA ``device`` (its plan must then be computed at replay, from
-    the buffers' contents), or the call runs inside ``keep_nothing``."""
-    if getattr(_KEEP_NOTHING, "on", False):
+    the buffers' contents), or the call runs inside ``keep_nothing`` while CUDA-graph trees
+    warm up or record on it."""
+    if torch.device(device).type != "cuda":
+        return False
+    if getattr(_KEEP_NOTHING, "on", False) and _graph_trees_allocating(device):
         return True
-    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _graph_trees_allocating(device) -> bool:
+    """Whether Inductor's CUDA-graph trees may be routing this thread's allocations on
+    ``device`` to a graph's memory pool: a warm-up or a recording of theirs is under way. Reads
+    Inductor's private state (``cudagraph_trees.get_manager``); anything unexpected counts as
+    yes, so a change there costs host time (nothing kept), not a fault."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # never imported: no graph trees in this process
+        return False
+    try:
+        manager = trees.get_manager(_canonical(device).index, create_if_none_exists=False)
+        return manager is not None and bool(manager.in_warmup or manager.in_recording)
+    except Exception:  # noqa: BLE001 (private API: any failure means "maybe")
+        return True
 
 
 def _canonical(device) -> torch.device:

@@ -34,10 +34,14 @@ def release_workspaces() -> None:
     A forward call small enough for its host time to matter keeps its intermediates (A_g,
     gamma, the inverse norms, the CP transitions and segment states; at most 64 MiB a call
     and 256 MiB in all) for the next call with the same shapes, dtypes, stream and thread
-    (``hopper.forward.DefaultForward``). This frees them; the next call allocates again.
+    (``hopper.forward.DefaultForward``). This frees them; the next call allocates again. The
+    decisions kept per forward and backward configuration (no device memory) go too.
     """
     import sys
 
     forward = sys.modules.get("flash_gdn.hopper.forward")  # (nothing kept if never imported)
     if forward is not None:
         forward.release_workspaces()
+    backward = sys.modules.get("flash_gdn.hopper.backward")
+    if backward is not None:
+        backward.release_configs()

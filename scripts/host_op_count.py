@@ -69,7 +69,8 @@ def main(specs, backward_too=True, where=False):
         if cu is not None:
             return planning._recent_device_plan(b, t, cu, d, s, st, w)
         return planning._batch_plan(b, t, d, s, st, w)
-    patches += [mock.patch.object(prepare_wu, "plan_for", meta_plan), mock.patch.object(forward, "plan_for", meta_plan)]
+    patches += [mock.patch.object(prepare_wu, "plan_for", meta_plan), mock.patch.object(forward, "plan_for", meta_plan),
+                mock.patch.object(backward, "plan_for", meta_plan)]
     for p in patches:
         p.start()
     for spec in specs:

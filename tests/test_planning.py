@@ -187,3 +187,39 @@ def test_wave_segments_cut_the_plan():
     assert segs.seg_info[1, 0].item() == 64 * 64
     whole = plan_segments(1, 32768, torch.tensor([0, 16384, 32768]), torch.device("cpu"), 32, 132, 64)
     assert whole.num_segs.tolist() == [1, 1]
+
+
+def test_compiled_ops_keep_nothing_only_while_graph_trees_allocate(monkeypatch):
+    """Inside ``keep_nothing`` (the torch.compile ops) a call keeps nothing only while
+    Inductor's CUDA-graph trees warm up or record (their memory pool), or when their state
+    cannot be read; in the default compile mode it keeps what eager calls keep."""
+    import sys
+    from types import SimpleNamespace
+
+    from flash_gdn import planning
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    trees = SimpleNamespace(manager=None)
+    trees.get_manager = lambda index, create_if_none_exists=True: trees.manager
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+    trees.manager = SimpleNamespace(in_warmup=True, in_recording=False)
+    assert not planning.capturing(dev)  # outside the ops: eager calls never ask
+    with planning.keep_nothing():
+        assert planning.capturing(dev)
+        trees.manager = SimpleNamespace(in_warmup=False, in_recording=True)
+        assert planning.capturing(dev)
+        trees.manager = SimpleNamespace(in_warmup=False, in_recording=False)  # replaying, or another graph's
+        assert not planning.capturing(dev)
+        trees.manager = None  # the default mode: no graph trees
+        assert not planning.capturing(dev)
+        assert not planning.capturing(torch.device("cpu"))
+
+        def unreadable(*args, **kwargs):
+            raise AttributeError("changed")
+
+        trees.get_manager = unreadable
+        assert planning.capturing(dev)
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")
+    with planning.keep_nothing():
+        assert not planning.capturing(dev)  # never imported: no graph trees

@@ -29,16 +29,22 @@ records the two branches.
 
 from __future__ import annotations
 
+import threading
+from typing import NamedTuple
+
 import torch
 
-from ..planning import capturing, chunk_capacity
+from ..env import env_get
+from ..planning import capturing, chunk_capacity, plan_for
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .context_parallel import backward_segment_chunks_for, num_sms, segment_target
+from .launch import Launcher
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, run_prepare
+from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, flat_inputs, launch_prepare,
+                         prepare_buffers)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
@@ -124,154 +130,242 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     and value head at K = V = 128 off the peak) and only the gradients come back. Where the
     forward kept its chunk inverse (``saved["a_r"]``), prepare_wu reads it instead of solving
     for it again."""
-    batch, seq_len = problem.batch, problem.seq_len
-    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
-    tokens, dtype, dev = batch * seq_len, q.dtype, q.device
-    tl_dtype = TL_DTYPE[dtype]
     saved = saved or {}
-    max_chunks = chunk_capacity(batch, seq_len, problem.num_seqs, cu_seqlens is not None)
-    seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
-    cp, block_v = _sequential_layout(saved, seg_chunks, problem, dev)
-    # Reads the chunk inverse where the forward kept it (saved["a_r"]), else solves for it.
-    outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
-    _build_kernels(problem, tl_dtype, TL_DTYPE[kernel_gate_dtype(g, beta, dtype)], cu_seqlens, initial_state, dht,
-                   cp, block_v, saved, outputs)
-    # Recomputing, chunk_states and the segment transitions form U = A_g V themselves.
-    prep = saved.get("prepared") or run_prepare(
-        q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, outputs,
-        seg_target=segment_target(2 * hv, dev) if seg_chunks is not None else 0,  # two CTAs per segment and head
-        a_r=saved.get("a_r"))
-    qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, prep.a_u, prep.gamma, prep.a_r
-    q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
-    del prep
-    num_chunks = plan.chunk_bounds.shape[0]
-    dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
-    segs = plan.segments if cp else None
-    runs = plan.seq_info if segs is None else segs.seg_info  # what the sequential stages walk
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    dht32 = None if dht is None else dht.to(torch.float32).contiguous()
-    # Without CP, state_grads writes dh0 (and it stands in for absent optional arguments);
-    # with CP it is gathered from the segments' start gradients.
-    dh0 = torch.empty(problem.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev) if segs is None else None
-    recompute = "h" not in saved
-    if recompute:
-        h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
-        v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    else:
-        h, v_new = saved["h"], saved["v_new"]
-    if segs is not None:
-        capacity = segs.seg_info.shape[0]
-        seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
-        run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
-        b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-        ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-    dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
-    dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    config = backward_config(q, g, beta, dht, problem, initial_state, cu_seqlens, saved)
+    return config.run(q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved, intermediates)
 
-    def state_grads(info, incoming, start_grad):
-        # incoming: the gradient of each run's end state (None: zero); start_grad receives
-        # the gradient of each run's start state.
-        build_state_grads(dk, dv, tl_dtype, incoming is not None, block_v)(
-            qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, info, start_grad if incoming is None else incoming,
-            problem.scale, dh, dv_new, start_grad,
+
+class BackwardKernels(NamedTuple):
+    """The kernels one backward configuration launches (None: not launched)."""
+
+    prepare: Launcher | None  # None: the forward saved what it writes (save_chunk_states)
+    local_dv: Launcher
+    chunk_states: Launcher | None  # None: the forward saved the chunk states
+    state_grads: Launcher  # without CP the one pass; with CP the first, from a zero gradient
+    state_grads_incoming: Launcher | None  # CP: the second pass, from each segment's end gradient
+    transitions: Launcher | None  # CP: segment_state
+    reverse_scan: Launcher | None  # CP: the segments' end gradients
+    forward_scan: Launcher | None  # CP, recomputing: the segments' start states
+    wy_grads: Launcher
+    qk_grads: Launcher
+
+
+# Configuration -> its decisions and kernels (``BackwardConfig``). A backward of a short row runs
+# 150-400 us on the GPU and an eager training step issues it from Python, so a repeat call skips
+# the decisions and the builders' lookups (s30). Nothing here holds device memory, so a kept
+# configuration serves any stream, thread and CUDA-graph capture.
+_CONFIGS: dict[tuple, "BackwardConfig"] = {}
+_CONFIGS_LOCK = threading.Lock()
+CONFIGS_KEPT = 16
+
+
+def release_configs() -> None:
+    """Drop the kept decisions of recent backward calls (tests patch the rules they come from)."""
+    with _CONFIGS_LOCK:
+        _CONFIGS.clear()
+
+
+def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens, saved: dict) -> "BackwardConfig":
+    """The ``BackwardConfig`` of this call: a kept one for its key, or a new one (kept)."""
+    gate_dtype = kernel_gate_dtype(g, beta, q.dtype)
+    index_dtype = None if cu_seqlens is None else cu_seqlens.dtype
+    prepared = saved.get("prepared")
+    # What the forward left: its chunk states (and whether its plan has CP segments), its chunk
+    # inverse, or nothing.
+    source = ("states", prepared.plan.segments is not None) if prepared is not None else "a_r" in saved
+    key = (problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None, source, q.device,
+           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
+    config = _CONFIGS.get(key)
+    if config is None:
+        config = BackwardConfig(problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None,
+                                saved, q.device)
+        with _CONFIGS_LOCK:  # (the miss path only)
+            while len(_CONFIGS) >= CONFIGS_KEPT:
+                del _CONFIGS[next(iter(_CONFIGS))]
+            _CONFIGS[key] = config
+    return config
+
+
+class BackwardConfig:
+    """The backward of one configuration: its decisions (context parallelism and its segments,
+    the state columns per CTA, the prepare_wu variant) and kernels made once; ``run`` issues
+    one call. ``saved``: the first call's forward extras, read only for what the key holds
+    (which of them the forward kept)."""
+
+    def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, has_dht: bool, saved: dict,
+                 dev: torch.device):
+        hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
+        self.problem, self.dtype, self.gate_dtype, self.dev = problem, dtype, gate_dtype, dev
+        self.prepare, self.recompute = "prepared" not in saved, "h" not in saved
+        max_chunks = chunk_capacity(problem.batch, problem.seq_len, problem.num_seqs, index_dtype is not None)
+        self.seg_chunks = backward_segment_chunks_for(problem.num_seqs, hv, max_chunks, dev)
+        self.cp, self.block_v = _sequential_layout(saved, self.seg_chunks, problem, dev)
+        # two CTAs per segment and head
+        self.seg_target = segment_target(2 * hv, dev) if self.seg_chunks is not None else 0
+        # Reads the chunk inverse where the forward kept it (saved["a_r"]), else solves for it.
+        self.outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
+        tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
+        index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
+        cp, block_v, recompute = self.cp, self.block_v, self.recompute
+        _build_kernels(dk, dv, tl_dtype, gate_tl, index_tl, has_h0, has_dht, cp, block_v, self.prepare, recompute,
+                       self.outputs)
+        self.kernels = BackwardKernels(
+            prepare=build_prepare_wu(dk, dv, tl_dtype, gate_tl, *self.outputs) if self.prepare else None,
+            local_dv=build_local_dv(dk, dv, tl_dtype),
+            # Kernels compiled without an initial state / dht do not read that argument.
+            chunk_states=build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v) if recompute else None,
+            state_grads=build_state_grads(dk, dv, tl_dtype, has_dht and not cp, block_v),
+            state_grads_incoming=build_state_grads(dk, dv, tl_dtype, True, block_v) if cp else None,
+            transitions=build_segment_state(dk, dv, tl_dtype, recompute) if cp else None,
+            reverse_scan=build_segment_scan(dk, dv, has_dht, reverse=True) if cp else None,
+            forward_scan=build_segment_scan(dk, dv, has_h0) if cp and recompute else None,
+            wy_grads=build_wy_grads(dk, dv, tl_dtype, gate_tl),
+            qk_grads=build_qk_grads(dk, dv, tl_dtype),
         )
 
-    # The gradient chain on a stream of its own, the forward-state side (segment transitions,
-    # segment start states, chunk states) on the caller's; the reverse scan needs only the
-    # transitions and chunk_states waits for local_dv, each announced by an event. Every buffer
-    # above was allocated on the caller's stream and stays referenced until the join, so the
-    # allocator cannot hand its memory out early.
-    main = grads = transitions_ready = local_dv_done = None
-    if CONCURRENT_CHUNK_STATES and (recompute or segs is not None):
-        main, grads = torch.cuda.current_stream(dev), _gradient_stream(dev)
-        grads.wait_stream(main)
-
-    def use(stream):  # set_stream rather than the torch.cuda.stream context: the same switch for less host time
-        if stream is not None:
-            torch.cuda.set_stream(stream)
-
-    try:
-        use(grads)
-        build_local_dv(dk, dv, tl_dtype)(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, problem.scale,
-                                         dv_local)
-        if grads is not None:
-            local_dv_done = torch.cuda.Event()
-            local_dv_done.record(grads)
-        if segs is not None:
-            use(main)
-            _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, problem, tl_dtype)
-            if grads is not None:
-                transitions_ready = torch.cuda.Event()
-                transitions_ready.record(main)
-            use(grads)
-        if segs is None:
-            state_grads(plan.seq_info, dht32, dh0)
-        else:
-            # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
-            # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
-            # (it overwrites the first pass's).
-            state_grads(segs.seg_info, None, b)
-            if transitions_ready is not None:
-                grads.wait_event(transitions_ready)
-            build_segment_scan(dk, dv, dht32 is not None, reverse=True)(
-                seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, no_truncation(dev)[1], ds_end
-            )
-            state_grads(segs.seg_info, ds_end, b)
-        use(main)
+    def run(self, q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved: dict, intermediates: bool):
+        """One backward call (``backward_stages``)."""
+        p, kernels, dev, dtype = self.problem, self.kernels, self.dev, self.dtype
+        batch, seq_len = p.batch, p.seq_len
+        hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
+        tokens = batch * seq_len
+        if self.prepare:
+            flat = flat_inputs(q, k, v, g, beta, p, self.gate_dtype)
+            plan = plan_for(batch, seq_len, cu_seqlens, dev, self.seg_chunks, self.seg_target)
+            buffers = prepare_buffers(p, plan.chunk_bounds.shape[0], dtype, dev, self.outputs, saved.get("a_r"))
+            launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
+            qf, kf, vf, _, bf = flat
+            w, a_u, gamma, a_r = buffers.w, buffers.a_u, buffers.gamma, buffers.a_r
+            q_norm_inv, k_norm_inv = buffers.q_norm_inv, buffers.k_norm_inv
+            del flat, buffers
+        else:  # the forward's (save_chunk_states; A_g was not kept)
+            prep = saved["prepared"]
+            qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, None, prep.gamma, prep.a_r
+            q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
+            del prep
+        num_chunks = plan.chunk_bounds.shape[0]
+        dof = _as(do.reshape(tokens, hv, dv), dtype).contiguous()
+        segs = plan.segments if self.cp else None
+        runs = plan.seq_info if segs is None else segs.seg_info  # what the sequential stages walk
+        h0 = None if initial_state is None else _as(initial_state, torch.float32).contiguous()
+        dht32 = None if dht is None else _as(dht, torch.float32).contiguous()
+        # Without CP, state_grads writes dh0 (and it stands in for absent optional arguments);
+        # with CP it is gathered from the segments' start gradients.
+        dh0 = torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev) if segs is None else None
+        recompute = self.recompute
         if recompute:
-            if segs is not None:
-                build_segment_scan(dk, dv, h0 is not None)(seg_state, seg_state, segs.seg_meta,
-                                                            run_init if h0 is None else h0, no_truncation(dev)[1],
-                                                            run_init)
-            if local_dv_done is not None:
-                main.wait_event(local_dv_done)
-            init = h0 if segs is None else run_init
-            # Kernels compiled without an initial state / dht do not read that argument (dh0 stands in).
-            build_chunk_states(dk, dv, tl_dtype, init is not None, block_v)(
-                kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new
-            )
-    finally:
-        use(main)
-    if grads is not None:
-        main.wait_stream(grads)
-    if segs is not None:
-        # Each sequence's start-state gradient, gathered only when someone reads it (a call
-        # without an initial state returns none: the gather is ~60 us of host time).
-        dh0 = b.index_select(0, segs.first_seg) if h0 is not None or intermediates else None
-        del b, ds_end, seg_state, run_init
-    del w, dv_local, a_u
+            h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+            v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        else:
+            h, v_new = saved["h"], saved["v_new"]
+        if segs is not None:
+            capacity = segs.seg_info.shape[0]
+            seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
+            run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
+            b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+            ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+        dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        scale = p.scale
 
-    dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-    dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
-    dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
-    dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-    dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads
-    build_wy_grads(dk, dv, tl_dtype, TL_DTYPE[bf.dtype])(
-        kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta, dgamma_wy, dg
-    )
-    del a_r
-    if not intermediates:
-        dv_new = None
+        # The gradient chain on a stream of its own, the forward-state side (segment transitions,
+        # segment start states, chunk states) on the caller's; the reverse scan needs only the
+        # transitions and chunk_states waits for local_dv, each announced by an event. Every buffer
+        # above was allocated on the caller's stream and stays referenced until the join, so the
+        # allocator cannot hand its memory out early.
+        main = grads = transitions_ready = local_dv_done = None
+        if CONCURRENT_CHUNK_STATES and (recompute or segs is not None):
+            main, grads = torch.cuda.current_stream(dev), _gradient_stream(dev)
+            grads.wait_stream(main)
 
-    hqk = problem.num_qk_heads
-    dq = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
-    dk_out = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
-    # <S, dS'> takes h0 and dht in fp32 where a chunk's state is one of them (qk_grads).
-    absent = _state_placeholder(dev, hv, dk, dv)
-    build_qk_grads(dk, dv, tl_dtype)(
-        qf, kf, dof, v_new, h, dh, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, plan.chunk_seq, plan.seq_info,
-        absent if h0 is None else h0, absent if dht32 is None else dht32, int(h0 is not None),
-        int(dht32 is not None), dk_wy, dgamma_wy, problem.scale, int(use_l2), dq, dk_out, dg,
-    )
-    grads = dict(dh0_all=dh0, dv=dv_out.view(batch, seq_len, hv, dv), dbeta=dbeta.view(batch, seq_len, hv),
-                 dq=dq.view(batch, seq_len, hqk, dk), dk=dk_out.view(batch, seq_len, hqk, dk),
-                 dg=dg.view(batch, seq_len, hv))
-    if intermediates:
-        grads.update(h=h, v_new=v_new.view(batch, seq_len, hv, dv), dh=dh, dv_new=dv_new.view(batch, seq_len, hv, dv),
-                     chunk_bounds=plan.chunk_bounds, dk_wy=dk_wy.view(batch, seq_len, hv, dk),
-                     dgamma_wy_chunks=dgamma_wy)
-    return grads
+        def use(stream):  # set_stream rather than the torch.cuda.stream context: the same switch for less host time
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+
+        try:
+            use(grads)
+            kernels.local_dv(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, scale, dv_local)
+            if grads is not None:
+                local_dv_done = torch.cuda.Event()
+                local_dv_done.record(grads)
+            if segs is None:
+                # (a kernel compiled without dht does not read it: dh0 stands in)
+                kernels.state_grads(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs,
+                                    dh0 if dht32 is None else dht32, scale, dh, dv_new, dh0)
+            else:
+                use(main)
+                _segment_transitions(kernels.transitions, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state,
+                                     recompute)
+                if grads is not None:
+                    transitions_ready = torch.cuda.Event()
+                    transitions_ready.record(main)
+                use(grads)
+                # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
+                # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
+                # (it overwrites the first pass's).
+                kernels.state_grads(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs, b, scale, dh,
+                                    dv_new, b)
+                if transitions_ready is not None:
+                    grads.wait_event(transitions_ready)
+                kernels.reverse_scan(seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32,
+                                     no_truncation(dev)[1], ds_end)
+                kernels.state_grads_incoming(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs, ds_end,
+                                             scale, dh, dv_new, b)
+            use(main)
+            if recompute:
+                if segs is not None:
+                    kernels.forward_scan(seg_state, seg_state, segs.seg_meta, run_init if h0 is None else h0,
+                                         no_truncation(dev)[1], run_init)
+                if local_dv_done is not None:
+                    main.wait_event(local_dv_done)
+                init = h0 if segs is None else run_init
+                kernels.chunk_states(kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new)
+        finally:
+            use(main)
+        if grads is not None:
+            main.wait_stream(grads)
+        if segs is not None:
+            # Each sequence's start-state gradient, gathered only when someone reads it (a call
+            # without an initial state returns none: the gather is ~60 us of host time).
+            dh0 = b.index_select(0, segs.first_seg) if h0 is not None or intermediates else None
+            del b, ds_end, seg_state, run_init
+        del w, dv_local, a_u
+
+        dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
+        dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
+        dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+        dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads
+        kernels.wy_grads(kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta,
+                         dgamma_wy, dg)
+        del a_r
+        if not intermediates:
+            dv_new = None
+
+        hqk = p.num_qk_heads
+        dq = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
+        dk_out = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
+        # <S, dS'> takes h0 and dht in fp32 where a chunk's state is one of them (qk_grads).
+        absent = _state_placeholder(dev, hv, dk, dv)
+        kernels.qk_grads(
+            qf, kf, dof, v_new, h, dh, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, plan.chunk_seq, plan.seq_info,
+            absent if h0 is None else h0, absent if dht32 is None else dht32, int(h0 is not None),
+            int(dht32 is not None), dk_wy, dgamma_wy, scale, int(use_l2), dq, dk_out, dg,
+        )
+        out = dict(dh0_all=dh0, dv=dv_out.view(batch, seq_len, hv, dv), dbeta=dbeta.view(batch, seq_len, hv),
+                   dq=dq.view(batch, seq_len, hqk, dk), dk=dk_out.view(batch, seq_len, hqk, dk),
+                   dg=dg.view(batch, seq_len, hv))
+        if intermediates:
+            out.update(h=h, v_new=v_new.view(batch, seq_len, hv, dv), dh=dh, dv_new=dv_new.view(batch, seq_len, hv, dv),
+                       chunk_bounds=plan.chunk_bounds, dk_wy=dk_wy.view(batch, seq_len, hv, dk),
+                       dgamma_wy_chunks=dgamma_wy)
+        return out
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (``.to`` only where it converts: a no-op ``.to`` still costs a dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, dev: torch.device) -> tuple[bool, int]:
@@ -289,14 +383,11 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
     return cp, state_block_v(problem.head_v, problem.num_seqs, problem.num_v_heads, dev, run_chunks)
 
 
-def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block_v, saved, outputs):
-    """Compile the kernels this call launches side by side at their first use (``prebuild``;
-    a kernel left out here is still compiled when it first launches). ``outputs``: the
-    prepare_wu variant the call runs."""
-    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
-    index_dtype = None if cu_seqlens is None else TL_DTYPE[cu_seqlens.dtype]
-    prepare, recompute = "prepared" not in saved, "h" not in saved
-    has_h0, has_dht = h0 is not None, dht is not None
+def _build_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, has_dht, cp, block_v, prepare, recompute,
+                   outputs):
+    """Compile the kernels this configuration launches side by side at their first use
+    (``prebuild``; a kernel left out here is still compiled when it first launches).
+    ``outputs``: the prepare_wu variant it runs."""
     key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, outputs, recompute, cp, has_h0, has_dht,
            block_v)
 
@@ -323,16 +414,14 @@ def _build_kernels(problem, tl_dtype, gate_dtype, cu_seqlens, h0, dht, cp, block
     build_together(key, builders)
 
 
-def _segment_transitions(kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, problem, tl_dtype):
+def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute):
     """[h | M] of every segment into ``seg_state`` (all of them: the reverse scan needs each M
     but the first's). Recomputing, U = A_g V is formed in the kernel. With saved chunk states
     only M is needed and A_g was not kept: the variant that reads U runs with W (same shape,
     K = V) in its place, and the h columns come out meaningless and unread."""
     sources = transition_sources(v=vf, a_u=a_u) if recompute else transition_sources(u=w)
     log_bound, trunc_flags = no_truncation(kf.device)  # exact transitions: the reverse scan needs every M
-    build_segment_state(problem.head_k, problem.head_v, tl_dtype, recompute)(
-        kf, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags
-    )
+    kernel(kf, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags)
 
 
 def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first,
@@ -347,7 +436,5 @@ def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     dh0 = None
     if initial_state is not None:
         dh0 = out["dh0_all"].transpose(-1, -2) if state_v_first else out["dh0_all"]
-        dh0 = dh0.to(initial_state.dtype)
-    return (out["dq"], out["dk"], out["dv"].to(v.dtype), out["dg"].to(g.dtype),
-            out["dbeta"].to(beta.dtype), dh0)
-
+        dh0 = _as(dh0, initial_state.dtype)
+    return (out["dq"], out["dk"], _as(out["dv"], v.dtype), _as(out["dg"], g.dtype), _as(out["dbeta"], beta.dtype), dh0)

@@ -5,7 +5,9 @@ outputs and gradients as eager calls (the same kernels run), checked against fp6
 import pytest
 import torch
 
+import flash_gdn
 from flash_gdn import chunk_gated_delta_rule
+from flash_gdn.hopper import forward
 from tests.gpu_helpers import poisoned
 from tests.helpers import make_inputs, random_cu_seqlens, rel_err
 
@@ -39,6 +41,7 @@ def test_compiled_training_step_matches_eager(mode):
     weights = (torch.randn(x["v"].shape, device="cuda", generator=gen),
                torch.randn(x["initial_state"].shape, device="cuda", generator=gen))
     want = _step(call, x, weights)
+    flash_gdn.release_workspaces()
     for _ in range(3):  # the CUDA-graph mode records, then replays
         with poisoned():
             got = _step(compiled, x, weights)
@@ -47,6 +50,10 @@ def test_compiled_training_step_matches_eager(mode):
         for name, a, b in zip(ARGS, got[2], want[2]):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
+    # The default mode keeps the forward's small intermediates as eager calls do; CUDA-graph
+    # trees (warm-up and recording in their memory pool) are left nothing.
+    kept = [c for c in forward._CALLS.values() if c.workspace is not None]
+    assert len(kept) == (1 if mode is None else 0)
 
     # and against fp64 autograd of the portable path (the tolerances of the backward tests)
     ref = _step(call, {n: t.double().cpu() for n, t in x.items()}, tuple(w.double().cpu() for w in weights))

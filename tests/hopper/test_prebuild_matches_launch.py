@@ -131,3 +131,28 @@ def test_backward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, wi
     recorder.launched.clear()
     backward_stages(q, k, v, g, beta, torch.randn_like(v), dht, problem, h0, False, cu, extras)
     assert recorder.launched and recorder.launched <= recorder.built, recorder.launched - recorder.built
+
+
+def test_backward_decisions_are_kept_per_configuration(recorder):
+    """A repeat backward of one configuration reuses its ``BackwardConfig`` (decisions and
+    kernels made once); another configuration (here: with dht) gets its own; releasing the
+    workspaces drops them."""
+    import flash_gdn
+    from flash_gdn.hopper import backward
+    from flash_gdn.hopper.forward import hopper_forward
+
+    q, k, v, g, beta, cu, problem = _inputs([8192], 2, 4)  # CP in the backward (BACKWARD_ROWS)
+    _, _, extras = hopper_forward(q, k, v, g, beta, problem, None, True, False, cu, False, for_backward=True)
+    for _ in range(2):
+        backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, False, cu, extras)
+    assert len(backward._CONFIGS) == 1
+    config = next(iter(backward._CONFIGS.values()))
+    assert config.cp and config.kernels.forward_scan is not None
+    backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, False, cu, extras)
+    assert list(backward._CONFIGS.values()) == [config]
+    dht = torch.zeros(1, 4, 128, 128)
+    backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), dht, problem, None, False, cu, extras)
+    assert len(backward._CONFIGS) == 2
+    assert recorder.launched <= recorder.built, recorder.launched - recorder.built
+    flash_gdn.release_workspaces()
+    assert not backward._CONFIGS
