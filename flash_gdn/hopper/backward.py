@@ -6,7 +6,8 @@ chunk's start state h and V_new, forming U = A_g V), ``local_dv`` (the state-fre
 dV_new and dh0), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
 ``qk_grads`` (dq and dk summed over each group of value heads with the L2 norm's backward,
 and dg). ``hopper_backward`` puts the results in the caller's dtypes and state layout.
-No host synchronisation.
+No host synchronisation. The decisions below and the kernels of a configuration are made once
+(``BackwardConfig``, kept per configuration): a call is the buffers and the launches.
 
 Context parallelism (DESIGN section 4) for the two sequential stages when sequences x heads
 underfill the GPU, with the forward's segments: ``chunk_states`` runs over segments from the
