@@ -6,8 +6,8 @@ import flash_gdn
 
 @pytest.fixture(autouse=True)
 def _fresh_forward_calls():
-    """Each test starts without the forward's kept per-call decisions (``DefaultForward``):
-    tests patch the rules those decisions come from."""
+    """Each test starts without the kept per-call decisions (the forward's ``DefaultForward``,
+    the backward's ``BackwardConfig``): tests patch the rules those decisions come from."""
     flash_gdn.release_workspaces()
     yield
 
