@@ -208,21 +208,14 @@ class BackwardConfig:
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
         cp, block_v, recompute = self.cp, self.block_v, self.recompute
-        _build_kernels(dk, dv, tl_dtype, gate_tl, index_tl, has_h0, has_dht, cp, block_v, self.prepare, recompute,
-                       self.outputs)
-        self.kernels = BackwardKernels(
-            prepare=build_prepare_wu(dk, dv, tl_dtype, gate_tl, *self.outputs) if self.prepare else None,
-            local_dv=build_local_dv(dk, dv, tl_dtype),
-            # Kernels compiled without an initial state / dht do not read that argument.
-            chunk_states=build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v) if recompute else None,
-            state_grads=build_state_grads(dk, dv, tl_dtype, has_dht and not cp, block_v),
-            state_grads_incoming=build_state_grads(dk, dv, tl_dtype, True, block_v) if cp else None,
-            transitions=build_segment_state(dk, dv, tl_dtype, recompute) if cp else None,
-            reverse_scan=build_segment_scan(dk, dv, has_dht, reverse=True) if cp else None,
-            forward_scan=build_segment_scan(dk, dv, has_h0) if cp and recompute else None,
-            wy_grads=build_wy_grads(dk, dv, tl_dtype, gate_tl),
-            qk_grads=build_qk_grads(dk, dv, tl_dtype),
-        )
+        builders = _kernel_builders(dk, dv, tl_dtype, gate_tl, has_h0, has_dht, cp, block_v, self.prepare, recompute,
+                                    self.outputs)
+        # Compiled side by side at the first use (``prebuild``), with the varlen chunk map's kernels.
+        key = ("backward", dk, dv, tl_dtype, gate_tl, index_tl, self.prepare, self.outputs, recompute, cp, has_h0,
+               has_dht, block_v)
+        plan_builders = [lambda: build_sequence_prefix(index_tl), build_cut_pieces] if self.prepare and index_tl else []
+        build_together(key, lambda: [b for b in builders if b is not None] + plan_builders)
+        self.kernels = BackwardKernels(*(None if build is None else build() for build in builders))
 
     def run(self, q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved: dict, intermediates: bool):
         """One backward call (``backward_stages``)."""
@@ -384,35 +377,23 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
     return cp, state_block_v(problem.head_v, problem.num_seqs, problem.num_v_heads, dev, run_chunks)
 
 
-def _build_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, has_dht, cp, block_v, prepare, recompute,
-                   outputs):
-    """Compile the kernels this configuration launches side by side at their first use
-    (``prebuild``; a kernel left out here is still compiled when it first launches).
-    ``outputs``: the prepare_wu variant it runs."""
-    key = ("backward", dk, dv, tl_dtype, gate_dtype, index_dtype, prepare, outputs, recompute, cp, has_h0, has_dht,
-           block_v)
-
-    def builders():
-        kernels = [lambda: build_local_dv(dk, dv, tl_dtype), lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
-                   lambda: build_qk_grads(dk, dv, tl_dtype)]
-        if prepare:
-            kernels.append(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs))
-            if index_dtype is not None:
-                kernels += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]
-        if recompute:
-            kernels.append(lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v))
-        if cp:
-            kernels += [lambda: build_segment_state(dk, dv, tl_dtype, recompute),
-                        lambda: build_segment_scan(dk, dv, has_dht, reverse=True),
-                        lambda: build_state_grads(dk, dv, tl_dtype, False, block_v),
-                        lambda: build_state_grads(dk, dv, tl_dtype, True, block_v)]
-            if recompute:
-                kernels.append(lambda: build_segment_scan(dk, dv, has_h0))
-        else:
-            kernels.append(lambda: build_state_grads(dk, dv, tl_dtype, has_dht, block_v))
-        return kernels
-
-    build_together(key, builders)
+def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v, prepare, recompute,
+                     outputs) -> BackwardKernels:
+    """``BackwardKernels`` of zero-argument builders (None: not launched): the one place that
+    picks the backward's variants. ``outputs``: the prepare_wu variant."""
+    return BackwardKernels(
+        prepare=(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs)) if prepare else None,
+        local_dv=lambda: build_local_dv(dk, dv, tl_dtype),
+        # Kernels compiled without an initial state / dht do not read that argument.
+        chunk_states=(lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v)) if recompute else None,
+        state_grads=lambda: build_state_grads(dk, dv, tl_dtype, has_dht and not cp, block_v),
+        state_grads_incoming=(lambda: build_state_grads(dk, dv, tl_dtype, True, block_v)) if cp else None,
+        transitions=(lambda: build_segment_state(dk, dv, tl_dtype, recompute)) if cp else None,
+        reverse_scan=(lambda: build_segment_scan(dk, dv, has_dht, reverse=True)) if cp else None,
+        forward_scan=(lambda: build_segment_scan(dk, dv, has_h0)) if cp and recompute else None,
+        wy_grads=lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
+        qk_grads=lambda: build_qk_grads(dk, dv, tl_dtype),
+    )
 
 
 def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute):

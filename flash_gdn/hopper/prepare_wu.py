@@ -47,7 +47,7 @@ from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inver
 # chunk inverse is most of this kernel's work, so the backward then reads A_r instead of
 # solving again, ``read_inverse``); the forward that saves its chunk states runs
 # ``state_output``, which reads U and W, and keeps A_r and W for the backward. The launch code
-# and the prebuild lists (forward_builders, backward._build_kernels, variants) all take these.
+# and the prebuild lists (forward_builders, backward._kernel_builders, variants) all take these.
 FORWARD_OUTPUTS = (False, False, True, False, False, False)
 FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
 BACKWARD_OUTPUTS = (True, False, True, True, False, False)

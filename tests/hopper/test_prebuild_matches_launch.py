@@ -1,7 +1,6 @@
 """Every kernel variant a forward or backward call launches is one its first-call prebuild
-compiled (``forward_builders``, ``backward._build_kernels``): the lists repeat the launch
-code's choice of variants, so a flag changed in one place and not the other would only show
-as a slow first call. Runs on the CPU: the kernel builders are replaced by recorders and the
+compiled (``forward_builders``, ``backward._kernel_builders``: the launch code takes its
+kernels from those lists; a variant picked outside them would only show as a slow first call). Runs on the CPU: the kernel builders are replaced by recorders and the
 chunk plan is the torch one."""
 
 import pytest
