@@ -291,7 +291,7 @@ def chunk_gated_delta_rule(
                                                    allow_neg_eigval, cp_context, fla_kwargs)
     if compiling:  # one opaque op per direction (compiled.py)
         return compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                             cu_seqlens, state_v_first)
+                             cu_seqlens, state_v_first, _needs_grad(q, k, v, g, beta, initial_state))
     problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     check_flag("save_chunk_states", save_chunk_states)
     path = _choose_path(q, problem)

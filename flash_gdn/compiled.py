@@ -161,17 +161,13 @@ def _backward(ctx, do, dfinal, _da_r):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first):
+def compiled_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first,
+                  keep_inverse: bool):
     """``chunk_gated_delta_rule`` inside a compiled region (after FLA's options are applied):
-    ``(o, final_state or None)`` through ``forward_op``, which keeps A_r for the backward
-    when a gradient is wanted."""
+    ``(o, final_state or None)`` through ``forward_op``, which keeps A_r for the backward with
+    ``keep_inverse`` (the caller's ``api._needs_grad``: a gradient is wanted)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    keep = _wants_grad(q, k, v, g, beta, initial_state)
     o, final_state, _ = forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
-                                   use_l2, state_v_first, keep)
+                                   use_l2, state_v_first, keep_inverse)
     return o, (final_state if output_final_state else None)
