@@ -29,12 +29,14 @@ def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat1
 
 
 def release_workspaces() -> None:
-    """Free the intermediate buffers the Hopper forward keeps for repeat calls.
+    """Free the intermediate buffers the Hopper forward and backward keep for repeat calls.
 
     A forward call small enough for its host time to matter keeps its intermediates (A_g,
     gamma, the inverse norms, the CP transitions and segment states; at most 64 MiB a call
     and 256 MiB in all) for the next call with the same shapes, dtypes, stream and thread
-    (``hopper.forward.DefaultForward``). This frees them; the next call allocates again. The
+    (``hopper.forward.DefaultForward``); a backward call keeps its own (the chunk states, their
+    gradients, dV_new and the rest it does not return; at most 128 MiB a call and 256 MiB in
+    all, ``hopper.backward._KEPT``). This frees them; the next call allocates again. The
     decisions kept per forward and backward configuration (no device memory) go too.
     """
     import sys

@@ -91,7 +91,10 @@ def _callables(mode: str, impl: str, inputs, cu, do, l2norm: bool = False, save_
     return train_step
 
 
-def _measure(step, graph: bool):
+def _measure(step, graph: bool, release=None):
+    """Kernel, eager and graph time of ``step``, and the peak extra memory of one call of it.
+    ``release``: drops what the implementation keeps between calls, so that the measured call
+    allocates it again and its peak counts it."""
     iters = iterations_for(step)
     result = {
         "kernel_ms": kernel_time_ms(step, iters),
@@ -99,6 +102,8 @@ def _measure(step, graph: bool):
         "graph_ms": graph_time_ms(step, iters) if graph else None,
     }
     torch.cuda.synchronize()
+    if release is not None:
+        release()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
@@ -113,7 +118,10 @@ def run_row(row: Row, mode: str, with_fla: bool, l2norm: bool = False, save_stat
         "config": row.config, "seqlens": row.seqlens, "h_qk": row.h_qk, "h_v": row.h_v,
         "target_speedup_vs_fla": row.target_speedup_vs_fla, "published_ms": row.published_ms,
     }
-    ours = _measure(_callables(mode, "ours", inputs, cu, do, l2norm, save_states), graph=True)
+    from flash_gdn import release_workspaces
+
+    ours = _measure(_callables(mode, "ours", inputs, cu, do, l2norm, save_states), graph=True,
+                    release=release_workspaces)
     record.update({f"ours_{k}": v for k, v in ours.items()})
     record["ours_ms"] = ours["kernel_ms"]
     fla_step = _callables(mode, "fla", inputs, cu, do, l2norm) if with_fla else None
@@ -143,7 +151,8 @@ def markdown_table(records: list[dict], meta: dict) -> str:
         "of kernel intervals, kernels running concurrently count once); "
         "eager = wall time per call (calls back to back, steady state: `timing.eager_time_ms`); "
         "graph = CUDA-graph replay; peak = peak extra CUDA memory of one "
-        f"step in MiB. Options: use_qk_l2norm_in_kernel={meta.get('l2norm', False)}, "
+        "step in MiB (ours: the intermediates it keeps between calls allocated within that step). "
+        f"Options: use_qk_l2norm_in_kernel={meta.get('l2norm', False)}, "
         f"save_chunk_states={meta.get('save_chunk_states', False)} (ours).",
         "",
         "| config | seqlens | hqk/hv | ours kernel | ours eager | ours graph | FLA kernel | FLA eager | speedup | target | |"

@@ -7,7 +7,8 @@ dV_new and dh0), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
 ``qk_grads`` (dq and dk summed over each group of value heads with the L2 norm's backward,
 and dg). ``hopper_backward`` puts the results in the caller's dtypes and state layout.
 No host synchronisation. The decisions below and the kernels of a configuration are made once
-(``BackwardConfig``, kept per configuration): a call is the buffers and the launches.
+(``BackwardConfig``, kept per configuration), and a small call's intermediates are kept for the
+next call on its stream and thread (``_KEPT``): a repeat call is its outputs and the launches.
 
 Context parallelism (DESIGN section 4) for the two sequential stages when sequences x heads
 underfill the GPU, with the forward's segments: ``chunk_states`` runs over segments from the
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from ..env import env_get
-from ..planning import capturing, chunk_capacity, plan_for
+from ..planning import capturing, chunk_capacity, current_stream_handle, plan_for
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .context_parallel import backward_segment_chunks_for, num_sms, segment_target
@@ -44,8 +45,8 @@ from .launch import Launcher
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, flat_inputs, launch_prepare,
-                         prepare_buffers)
+from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, PrepareBuffers, build_prepare_wu, flat_inputs,
+                         launch_prepare, prepare_buffers)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
@@ -64,6 +65,27 @@ def _gradient_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _gradient_streams:
         _gradient_streams[index] = torch.cuda.Stream(device=index)
     return _gradient_streams[index]
+
+
+_kept_events = threading.local()
+
+
+def _fork_join_events(device: torch.device, fresh: bool) -> tuple[torch.cuda.Event, ...]:
+    """The four events that fork the gradient chain off the caller's stream and join it back
+    (fork, local_dv done, transitions ready, join). Made once per thread and device and
+    reused: a stream's wait takes the event's state when it is enqueued, so recording it again
+    in a later call cannot change an earlier wait, and one thread's calls record them in
+    order (each ~3 us of host time made anew, as ``Stream.wait_stream`` does). ``fresh``
+    (CUDA-graph capture): new ones, so that no event recorded into a graph is kept."""
+    if fresh:
+        return tuple(torch.cuda.Event() for _ in range(4))
+    pool = getattr(_kept_events, "by_device", None)
+    if pool is None:
+        pool = _kept_events.by_device = {}
+    events = pool.get(device)
+    if events is None:
+        events = pool[device] = tuple(torch.cuda.Event() for _ in range(4))
+    return events
 
 
 _placeholders: dict[tuple, torch.Tensor] = {}
@@ -159,11 +181,25 @@ _CONFIGS: dict[tuple, "BackwardConfig"] = {}
 _CONFIGS_LOCK = threading.Lock()
 CONFIGS_KEPT = 16
 
+# (configuration, stream, thread) -> that configuration's intermediates (``_Workspace``), kept for
+# the next call where small. An eager backward of a short row is host-bound (~330 us of host time
+# for ~150 us of kernels at 2/8 x 1x2048 on an H200 host, ~16 allocations of it), and a training
+# step repeats the same layer shapes. Reuse is safe because calls with one key run in order on
+# one stream (the gradient stream forks from it and joins it within the call) and nothing
+# returned aliases the workspace. Never during CUDA-graph capture, nor when the intermediates are
+# returned (tests). Kept they stay allocated, so the buffers the backward frees early in a call of
+# its own (W, A_g, the local dV, dV_new) no longer lower its peak: only small rows are kept.
+_KEPT: dict[tuple, "_Workspace"] = {}
+KEPT_WORKSPACE_BYTES = 128 << 20  # a backward's intermediates are kept only up to this size ...
+KEPT_WORKSPACE_TOTAL = 256 << 20  # ... and all kept ones up to this (oldest dropped first)
+
 
 def release_configs() -> None:
-    """Drop the kept decisions of recent backward calls (tests patch the rules they come from)."""
+    """Drop the kept decisions and intermediates of recent backward calls (tests patch the rules
+    they come from)."""
     with _CONFIGS_LOCK:
         _CONFIGS.clear()
+        _KEPT.clear()
 
 
 def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens, saved: dict) -> "BackwardConfig":
@@ -182,9 +218,51 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
                                 saved, q.device)
         with _CONFIGS_LOCK:  # (the miss path only)
             while len(_CONFIGS) >= CONFIGS_KEPT:
-                del _CONFIGS[next(iter(_CONFIGS))]
+                dropped = _CONFIGS.pop(next(iter(_CONFIGS)))
+                for kept_key in [k for k in _KEPT if k[0] is dropped]:
+                    del _KEPT[kept_key]
             _CONFIGS[key] = config
     return config
+
+
+class _Workspace(NamedTuple):
+    """A backward's intermediates, none of them returned: ``prepare_wu``'s outputs (None where the
+    forward saved them; their A_r the forward's where it kept one, which a kept workspace does
+    not hold), every chunk's start state and V_new (recomputing), the CP buffers (the segments'
+    [h | M], start states, gradient offsets b and end gradients), then the local dV, dh, dV_new,
+    dK_wy and dgamma_wy (the last two None in a workspace of one call: allocated later)."""
+
+    prep: PrepareBuffers | None
+    h: torch.Tensor | None
+    v_new: torch.Tensor | None
+    seg_state: torch.Tensor | None
+    run_init: torch.Tensor | None
+    b: torch.Tensor | None
+    ds_end: torch.Tensor | None
+    dv_local: torch.Tensor
+    dh: torch.Tensor
+    dv_new: torch.Tensor
+    dk_wy: torch.Tensor | None
+    dgamma_wy: torch.Tensor | None
+
+
+def _workspace_bytes(ws: _Workspace) -> int:
+    tensors = [t for t in (*(ws.prep or ()), *ws[1:]) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _keep(key: tuple, ws: _Workspace) -> None:
+    """Keep ``ws`` under ``key`` if small, dropping the oldest kept workspaces while all kept ones
+    would exceed ``KEPT_WORKSPACE_TOTAL`` (under ``_CONFIGS_LOCK``)."""
+    size = _workspace_bytes(ws)
+    if size > KEPT_WORKSPACE_BYTES:
+        return
+    total = size + sum(_workspace_bytes(kept) for kept in _KEPT.values())
+    for old in list(_KEPT):
+        if total <= KEPT_WORKSPACE_TOTAL:
+            break
+        total -= _workspace_bytes(_KEPT.pop(old))
+    _KEPT[key] = ws
 
 
 class BackwardConfig:
@@ -205,6 +283,8 @@ class BackwardConfig:
         self.seg_target = segment_target(2 * hv, dev) if self.seg_chunks is not None else 0
         # Reads the chunk inverse where the forward kept it (saved["a_r"]), else solves for it.
         self.outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
+        self.reads_inverse = self.prepare and "a_r" in saved
+        self.workspace_bytes: int | None = None  # what a kept workspace holds (``workspace``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
         cp, block_v, recompute = self.cp, self.block_v, self.recompute
@@ -217,6 +297,53 @@ class BackwardConfig:
         build_together(key, lambda: [b for b in builders if b is not None] + plan_builders)
         self.kernels = BackwardKernels(*(None if build is None else build() for build in builders))
 
+    def workspace(self, plan, a_r: torch.Tensor | None, keep: bool, capture: bool) -> _Workspace:
+        """This call's intermediates for ``plan``: the kept ones of this configuration, stream and
+        thread, or new ones (kept where ``keep`` allows and they are small; never under CUDA-graph
+        ``capture``). ``a_r``: the forward's chunk inverse, put in the prepare buffers where read."""
+        if self.workspace_bytes is None:  # (the same for every call of the configuration: sized on the meta device)
+            sized = self._allocate(plan, a_r, late=True, device=torch.device("meta"))
+            self.workspace_bytes = _workspace_bytes(sized._replace(prep=sized.prep._replace(a_r=None))
+                                                    if self.reads_inverse else sized)
+        if not keep or capture or self.workspace_bytes > KEPT_WORKSPACE_BYTES:
+            return self._allocate(plan, a_r, late=False)
+        dev = self.dev
+        key = (self, current_stream_handle(dev) if dev.type == "cuda" else None, threading.get_ident())
+        ws = _KEPT.get(key)
+        if ws is None:
+            ws = self._allocate(plan, a_r, late=True)
+            with _CONFIGS_LOCK:
+                _keep(key, ws._replace(prep=ws.prep._replace(a_r=None)) if self.reads_inverse else ws)
+        elif self.reads_inverse:
+            ws = ws._replace(prep=ws.prep._replace(a_r=a_r))
+        return ws
+
+    def _allocate(self, plan, a_r: torch.Tensor | None, late: bool, device: torch.device | None = None) -> _Workspace:
+        """New intermediates for ``plan`` (on ``device``, by default the configuration's); ``late``:
+        dK_wy and dgamma_wy too (else allocated by ``run`` once the buffers before them are
+        freed, as a call of its own does)."""
+        p, dev, dtype = self.problem, device or self.dev, self.dtype
+        hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
+        tokens, num_chunks = p.batch * p.seq_len, plan.chunk_bounds.shape[0]
+        prep = prepare_buffers(p, num_chunks, dtype, dev, self.outputs, a_r) if self.prepare else None
+        h = v_new = seg_state = run_init = b = ds_end = dk_wy = dgamma_wy = None
+        if self.recompute:
+            h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+            v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        if self.cp:
+            capacity = plan.segments.seg_info.shape[0]
+            seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
+            run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if self.recompute else None
+            b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+            ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+        dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        if late:
+            dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
+            dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+        return _Workspace(prep, h, v_new, seg_state, run_init, b, ds_end, dv_local, dh, dv_new, dk_wy, dgamma_wy)
+
     def run(self, q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved: dict, intermediates: bool):
         """One backward call (``backward_stages``)."""
         p, kernels, dev, dtype = self.problem, self.kernels, self.dev, self.dtype
@@ -226,20 +353,24 @@ class BackwardConfig:
         if self.prepare:
             flat = flat_inputs(q, k, v, g, beta, p, self.gate_dtype)
             plan = plan_for(batch, seq_len, cu_seqlens, dev, self.seg_chunks, self.seg_target)
-            buffers = prepare_buffers(p, plan.chunk_bounds.shape[0], dtype, dev, self.outputs, saved.get("a_r"))
-            launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
-            qf, kf, vf, _, bf = flat
-            w, a_u, gamma, a_r = buffers.w, buffers.a_u, buffers.gamma, buffers.a_r
-            q_norm_inv, k_norm_inv = buffers.q_norm_inv, buffers.k_norm_inv
-            del flat, buffers
         else:  # the forward's (save_chunk_states; A_g was not kept)
+            plan = saved["prepared"].plan
+        segs = plan.segments if self.cp else None
+        capture = capturing(dev)
+        ws = self.workspace(plan, saved.get("a_r"), not intermediates, capture)
+        if self.prepare:
+            launch_prepare(kernels.prepare, flat, plan, ws.prep, use_l2)
+            qf, kf, vf, _, bf = flat
+            w, a_u, gamma, a_r = ws.prep.w, ws.prep.a_u, ws.prep.gamma, ws.prep.a_r
+            q_norm_inv, k_norm_inv = ws.prep.q_norm_inv, ws.prep.k_norm_inv
+            del flat
+        else:
             prep = saved["prepared"]
             qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, None, prep.gamma, prep.a_r
-            q_norm_inv, k_norm_inv, plan = prep.q_norm_inv, prep.k_norm_inv, prep.plan
+            q_norm_inv, k_norm_inv = prep.q_norm_inv, prep.k_norm_inv
             del prep
         num_chunks = plan.chunk_bounds.shape[0]
         dof = _as(do.reshape(tokens, hv, dv), dtype).contiguous()
-        segs = plan.segments if self.cp else None
         runs = plan.seq_info if segs is None else segs.seg_info  # what the sequential stages walk
         h0 = None if initial_state is None else _as(initial_state, torch.float32).contiguous()
         dht32 = None if dht is None else _as(dht, torch.float32).contiguous()
@@ -247,20 +378,10 @@ class BackwardConfig:
         # with CP it is gathered from the segments' start gradients.
         dh0 = torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev) if segs is None else None
         recompute = self.recompute
-        if recompute:
-            h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
-            v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        else:
-            h, v_new = saved["h"], saved["v_new"]
-        if segs is not None:
-            capacity = segs.seg_info.shape[0]
-            seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
-            run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
-            b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-            ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-        dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
-        dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        h, v_new = (ws.h, ws.v_new) if recompute else (saved["h"], saved["v_new"])
+        seg_state, run_init, b, ds_end = ws.seg_state, ws.run_init, ws.b, ws.ds_end
+        dv_local, dh, dv_new, dk_wy, dgamma_wy = ws.dv_local, ws.dh, ws.dv_new, ws.dk_wy, ws.dgamma_wy
+        del ws  # (a workspace made for this call only: each buffer freed after its last reader, below)
         scale = p.scale
 
         # The gradient chain on a stream of its own, the forward-state side (segment transitions,
@@ -271,7 +392,9 @@ class BackwardConfig:
         main = grads = transitions_ready = local_dv_done = None
         if CONCURRENT_CHUNK_STATES and (recompute or segs is not None):
             main, grads = torch.cuda.current_stream(dev), _gradient_stream(dev)
-            grads.wait_stream(main)
+            fork, local_dv_done, transitions_ready, join = _fork_join_events(dev, capture)
+            fork.record(main)
+            grads.wait_event(fork)
 
         def use(stream):  # set_stream rather than the torch.cuda.stream context: the same switch for less host time
             if stream is not None:
@@ -281,7 +404,6 @@ class BackwardConfig:
             use(grads)
             kernels.local_dv(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, scale, dv_local)
             if grads is not None:
-                local_dv_done = torch.cuda.Event()
                 local_dv_done.record(grads)
             if segs is None:
                 # (a kernel compiled without dht does not read it: dh0 stands in)
@@ -292,7 +414,6 @@ class BackwardConfig:
                 _segment_transitions(kernels.transitions, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state,
                                      recompute)
                 if grads is not None:
-                    transitions_ready = torch.cuda.Event()
                     transitions_ready.record(main)
                 use(grads)
                 # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
@@ -300,7 +421,7 @@ class BackwardConfig:
                 # (it overwrites the first pass's).
                 kernels.state_grads(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs, b, scale, dh,
                                     dv_new, b)
-                if transitions_ready is not None:
+                if grads is not None:
                     grads.wait_event(transitions_ready)
                 kernels.reverse_scan(seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32,
                                      no_truncation(dev)[1], ds_end)
@@ -311,14 +432,15 @@ class BackwardConfig:
                 if segs is not None:
                     kernels.forward_scan(seg_state, seg_state, segs.seg_meta, run_init if h0 is None else h0,
                                          no_truncation(dev)[1], run_init)
-                if local_dv_done is not None:
+                if grads is not None:
                     main.wait_event(local_dv_done)
                 init = h0 if segs is None else run_init
                 kernels.chunk_states(kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new)
         finally:
             use(main)
         if grads is not None:
-            main.wait_stream(grads)
+            join.record(grads)
+            main.wait_event(join)
         if segs is not None:
             # Each sequence's start-state gradient, gathered only when someone reads it (a call
             # without an initial state returns none: the gather is ~60 us of host time).
@@ -327,9 +449,10 @@ class BackwardConfig:
         del w, dv_local, a_u
 
         dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
+        if dk_wy is None:  # (a workspace of this call's: allocated once w, A_g and the local dV are freed)
+            dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
+            dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
         dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
-        dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
         dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads
         kernels.wy_grads(kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta,
                          dgamma_wy, dg)

@@ -3,6 +3,8 @@ compiled (``forward_builders``, ``backward._kernel_builders``: the launch code t
 kernels from those lists; a variant picked outside them would only show as a slow first call). Runs on the CPU: the kernel builders are replaced by recorders and the
 chunk plan is the torch one."""
 
+import threading
+
 import pytest
 import torch
 
@@ -134,8 +136,8 @@ def test_backward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, wi
 
 def test_backward_decisions_are_kept_per_configuration(recorder):
     """A repeat backward of one configuration reuses its ``BackwardConfig`` (decisions and
-    kernels made once); another configuration (here: with dht) gets its own; releasing the
-    workspaces drops them."""
+    kernels made once) and its kept intermediates; another configuration (here: with dht) gets
+    its own; releasing the workspaces drops them."""
     import flash_gdn
     from flash_gdn.hopper import backward
     from flash_gdn.hopper.forward import hopper_forward
@@ -147,11 +149,17 @@ def test_backward_decisions_are_kept_per_configuration(recorder):
     assert len(backward._CONFIGS) == 1
     config = next(iter(backward._CONFIGS.values()))
     assert config.cp and config.kernels.forward_scan is not None
+    # ... and its intermediates, for this thread (on the CPU: no stream)
+    assert list(backward._KEPT) == [(config, None, threading.get_ident())]
+    kept = backward._KEPT[config, None, threading.get_ident()]
+    assert kept.prep.a_r is None  # the forward's A_r is not kept with them
+    assert config.workspace_bytes == backward._workspace_bytes(kept)  # (sized on the meta device)
     backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, False, cu, extras)
     assert list(backward._CONFIGS.values()) == [config]
     dht = torch.zeros(1, 4, 128, 128)
     backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), dht, problem, None, False, cu, extras)
-    assert len(backward._CONFIGS) == 2
+    assert len(backward._CONFIGS) == 2 and len(backward._KEPT) == 2
+    assert backward._KEPT[config, None, threading.get_ident()] is kept
     assert recorder.launched <= recorder.built, recorder.launched - recorder.built
     flash_gdn.release_workspaces()
-    assert not backward._CONFIGS
+    assert not backward._CONFIGS and not backward._KEPT
