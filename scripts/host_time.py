@@ -1,4 +1,4 @@
-"""Host time of one forward call on a GPU host: what eager calls of short rows are made of.
+"""Host time of one call on a GPU host: what eager calls of short rows are made of.
 
 For each row: the host time to issue a call (calls back to back in short batches, measured
 before each batch's synchronisation: the queue never fills, so this is the Python and launch
@@ -6,7 +6,11 @@ cost alone; the fastest batch and the median), the eager wall time per call of t
 batch, and the kernel time (torch.profiler); then, with ``--profile``, cProfile's top entries
 for the first row.
 
-    python3 scripts/host_time.py [--profile] [--train] 2/8:1x2048 16/16:1x2048 8/32:1024x8
+    python3 scripts/host_time.py [--profile] [--train | --backward] 2/8:1x2048 16/16:1x2048 8/32:1024x8
+
+``--train``: a training step (forward, then ``torch.autograd.grad``), with the same step of a
+one-kernel autograd Function for scale (what autograd itself costs on this host). ``--backward``:
+the low-level backward (``chunk_gated_delta_rule_bwd``) of one saved forward.
 """
 
 import cProfile
@@ -16,21 +20,37 @@ import time
 
 import torch
 
-from flash_gdn import chunk_gated_delta_rule
+from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_gdn.bench.timing import kernel_time_ms
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from profile_kernels import row_inputs  # noqa: E402
 
 
-def row_call(spec: str, train: bool):
+class _OneKernel(torch.autograd.Function):
+    """The autograd baseline: one kernel forward (2 v), none backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta):
+        return v * 2
+
+    @staticmethod
+    def backward(ctx, do):
+        return None, None, do * 2, None, None
+
+
+def row_call(spec: str, mode: str):
     x = row_inputs(spec)
-    if not train:
-        return lambda: chunk_gated_delta_rule(**x)
-    for name in ("q", "k", "v", "g", "beta"):
-        x[name].requires_grad_(True)
     do = torch.randn_like(x["v"])
-    return lambda: chunk_gated_delta_rule(**x)[0].backward(do)
+    if mode == "backward":
+        _, _, saved = chunk_gated_delta_rule_fwd(**x)
+        return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
+    if mode != "train" and mode != "autograd":
+        return lambda: chunk_gated_delta_rule(**x)
+    leaves = [x[name].requires_grad_(True) for name in ("q", "k", "v", "g", "beta")]
+    if mode == "autograd":
+        return lambda: torch.autograd.grad(_OneKernel.apply(*leaves), leaves[2], do)
+    return lambda: torch.autograd.grad(chunk_gated_delta_rule(**x)[0], leaves, do)
 
 
 def host_and_eager_us(call, batches: int = 40, per_batch: int = 10) -> tuple[float, float, float]:
@@ -57,11 +77,14 @@ def host_and_eager_us(call, batches: int = 40, per_batch: int = 10) -> tuple[flo
 
 def main(argv):
     profile_first = "--profile" in argv
-    train = "--train" in argv
+    mode = "train" if "--train" in argv else "backward" if "--backward" in argv else "forward"
     specs = [a for a in argv if not a.startswith("--")] or ["2/8:1x2048", "16/16:1x2048", "8/32:1024x8"]
-    print(f"{'row':<16} {'host us':>8} {'median':>7} {'eager us':>9} {'kernel us':>10} {'eager-kernel':>13}")
+    print(f"{mode}: {'row':<16} {'host us':>8} {'median':>7} {'eager us':>9} {'kernel us':>10} {'eager-kernel':>13}")
+    if mode == "train":
+        specs = specs + [("autograd", specs[0])]
     for i, spec in enumerate(specs):
-        call = row_call(spec, train)
+        call = row_call(spec[1], "autograd") if isinstance(spec, tuple) else row_call(spec, mode)
+        spec = f"{spec[1]} (1 kernel)" if isinstance(spec, tuple) else spec
         host, eager, median = host_and_eager_us(call)
         kernel = kernel_time_ms(call, 20) * 1e3
         print(f"{spec:<16} {host:8.1f} {median:7.1f} {eager:9.1f} {kernel:10.1f} {eager - kernel:13.1f}", flush=True)

@@ -45,7 +45,7 @@ from .launch import Launcher
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
-from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, PrepareBuffers, build_prepare_wu, flat_inputs,
+from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, factors_buffer, flat_inputs,
                          launch_prepare, prepare_buffers)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
@@ -181,15 +181,18 @@ _CONFIGS: dict[tuple, "BackwardConfig"] = {}
 _CONFIGS_LOCK = threading.Lock()
 CONFIGS_KEPT = 16
 
-# (configuration, stream, thread) -> that configuration's intermediates (``_Workspace``), kept for
-# the next call where small. An eager backward of a short row is host-bound (~330 us of host time
-# for ~150 us of kernels at 2/8 x 1x2048 on an H200 host, ~16 allocations of it), and a training
+# (configuration, stream, thread) -> the intermediates that configuration keeps (``_Kept``) for
+# its next call where small. An eager backward of a short row is host-bound (~190 us of host time
+# for ~110 us of kernels at 2/8 x 1x2048 on an H200 host, ~16 allocations of it), and a training
 # step repeats the same layer shapes. Reuse is safe because calls with one key run in order on
 # one stream (the gradient stream forks from it and joins it within the call) and nothing
-# returned aliases the workspace. Never during CUDA-graph capture, nor when the intermediates are
-# returned (tests). Kept they stay allocated, so the buffers the backward frees early in a call of
-# its own (W, A_g, the local dV, dV_new) no longer lower its peak: only small rows are kept.
-_KEPT: dict[tuple, "_Workspace"] = {}
+# returned aliases them. Never during CUDA-graph capture, nor when the intermediates are returned
+# (tests). Kept are only the buffers that live through the call's peak anyway (the chunk states,
+# dh, the local dV, which then holds dK_wy, the gate and norm factors, dgamma_wy): the ones
+# whose memory a call of its own frees for its outputs (W, A_g, A_r, dV_new, the CP buffers)
+# are still allocated per call, so that keeping does not raise the peak (the bench's peak
+# column counts the kept ones).
+_KEPT: dict[tuple, "_Kept"] = {}
 KEPT_WORKSPACE_BYTES = 128 << 20  # a backward's intermediates are kept only up to this size ...
 KEPT_WORKSPACE_TOTAL = 256 << 20  # ... and all kept ones up to this (oldest dropped first)
 
@@ -225,44 +228,33 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
     return config
 
 
-class _Workspace(NamedTuple):
-    """A backward's intermediates, none of them returned: ``prepare_wu``'s outputs (None where the
-    forward saved them; their A_r the forward's where it kept one, which a kept workspace does
-    not hold), every chunk's start state and V_new (recomputing), the CP buffers (the segments'
-    [h | M], start states, gradient offsets b and end gradients), then the local dV, dh, dV_new,
-    dK_wy and dgamma_wy (the last two None in a workspace of one call: allocated later)."""
+class _Kept(NamedTuple):
+    """What a backward keeps between calls (``_KEPT``): ``prepare_wu``'s gate and norm factors
+    (one ``factors_buffer``; None where the forward saved them), every chunk's start state and
+    V_new (None unless recomputing), dh, the local dV (dK_wy's buffer once the state
+    gradients have read it: K = V) and dgamma_wy."""
 
-    prep: PrepareBuffers | None
+    factors: torch.Tensor | None
     h: torch.Tensor | None
     v_new: torch.Tensor | None
-    seg_state: torch.Tensor | None
-    run_init: torch.Tensor | None
-    b: torch.Tensor | None
-    ds_end: torch.Tensor | None
-    dv_local: torch.Tensor
     dh: torch.Tensor
-    dv_new: torch.Tensor
-    dk_wy: torch.Tensor | None
-    dgamma_wy: torch.Tensor | None
+    dv_local: torch.Tensor
+    dgamma_wy: torch.Tensor
 
 
-def _workspace_bytes(ws: _Workspace) -> int:
-    tensors = [t for t in (*(ws.prep or ()), *ws[1:]) if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _kept_bytes(kept: _Kept) -> int:
+    return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
 
-def _keep(key: tuple, ws: _Workspace) -> None:
-    """Keep ``ws`` under ``key`` if small, dropping the oldest kept workspaces while all kept ones
-    would exceed ``KEPT_WORKSPACE_TOTAL`` (under ``_CONFIGS_LOCK``)."""
-    size = _workspace_bytes(ws)
-    if size > KEPT_WORKSPACE_BYTES:
-        return
-    total = size + sum(_workspace_bytes(kept) for kept in _KEPT.values())
+def _keep(key: tuple, kept: _Kept) -> None:
+    """Keep ``kept`` under ``key``, dropping the oldest kept buffers while all of them would exceed
+    ``KEPT_WORKSPACE_TOTAL`` (under ``_CONFIGS_LOCK``)."""
+    total = _kept_bytes(kept) + sum(_kept_bytes(other) for other in _KEPT.values())
     for old in list(_KEPT):
         if total <= KEPT_WORKSPACE_TOTAL:
             break
-        total -= _workspace_bytes(_KEPT.pop(old))
-    _KEPT[key] = ws
+        total -= _kept_bytes(_KEPT.pop(old))
+    _KEPT[key] = kept
 
 
 class BackwardConfig:
@@ -283,8 +275,7 @@ class BackwardConfig:
         self.seg_target = segment_target(2 * hv, dev) if self.seg_chunks is not None else 0
         # Reads the chunk inverse where the forward kept it (saved["a_r"]), else solves for it.
         self.outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
-        self.reads_inverse = self.prepare and "a_r" in saved
-        self.workspace_bytes: int | None = None  # what a kept workspace holds (``workspace``)
+        self.kept_size: int | None = None  # bytes of the buffers a call keeps (``kept_buffers``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
         cp, block_v, recompute = self.cp, self.block_v, self.recompute
@@ -297,52 +288,37 @@ class BackwardConfig:
         build_together(key, lambda: [b for b in builders if b is not None] + plan_builders)
         self.kernels = BackwardKernels(*(None if build is None else build() for build in builders))
 
-    def workspace(self, plan, a_r: torch.Tensor | None, keep: bool, capture: bool) -> _Workspace:
-        """This call's intermediates for ``plan``: the kept ones of this configuration, stream and
-        thread, or new ones (kept where ``keep`` allows and they are small; never under CUDA-graph
-        ``capture``). ``a_r``: the forward's chunk inverse, put in the prepare buffers where read."""
-        if self.workspace_bytes is None:  # (the same for every call of the configuration: sized on the meta device)
-            sized = self._allocate(plan, a_r, late=True, device=torch.device("meta"))
-            self.workspace_bytes = _workspace_bytes(sized._replace(prep=sized.prep._replace(a_r=None))
-                                                    if self.reads_inverse else sized)
-        if not keep or capture or self.workspace_bytes > KEPT_WORKSPACE_BYTES:
-            return self._allocate(plan, a_r, late=False)
+    def kept_buffers(self, plan, keep: bool, capture: bool) -> _Kept | None:
+        """The buffers this call takes from ``_KEPT`` (this configuration, stream and thread): the
+        kept ones, new ones kept now, or None (``keep`` off, a CUDA-graph ``capture``, too large,
+        or a layout in which the local dV cannot hold dK_wy)."""
+        if not keep or capture or self.problem.head_k != self.problem.head_v:
+            return None
+        if self.kept_size is None:  # (the same for every call of the configuration: sized on the meta device)
+            self.kept_size = _kept_bytes(self._allocate_kept(plan, torch.device("meta")))
+        if self.kept_size > KEPT_WORKSPACE_BYTES:
+            return None
         dev = self.dev
         key = (self, current_stream_handle(dev) if dev.type == "cuda" else None, threading.get_ident())
-        ws = _KEPT.get(key)
-        if ws is None:
-            ws = self._allocate(plan, a_r, late=True)
+        kept = _KEPT.get(key)
+        if kept is None:
+            kept = self._allocate_kept(plan, dev)
             with _CONFIGS_LOCK:
-                _keep(key, ws._replace(prep=ws.prep._replace(a_r=None)) if self.reads_inverse else ws)
-        elif self.reads_inverse:
-            ws = ws._replace(prep=ws.prep._replace(a_r=a_r))
-        return ws
+                _keep(key, kept)
+        return kept
 
-    def _allocate(self, plan, a_r: torch.Tensor | None, late: bool, device: torch.device | None = None) -> _Workspace:
-        """New intermediates for ``plan`` (on ``device``, by default the configuration's); ``late``:
-        dK_wy and dgamma_wy too (else allocated by ``run`` once the buffers before them are
-        freed, as a call of its own does)."""
-        p, dev, dtype = self.problem, device or self.dev, self.dtype
+    def _allocate_kept(self, plan, dev: torch.device) -> _Kept:
+        p, dtype = self.problem, self.dtype
         hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
         tokens, num_chunks = p.batch * p.seq_len, plan.chunk_bounds.shape[0]
-        prep = prepare_buffers(p, num_chunks, dtype, dev, self.outputs, a_r) if self.prepare else None
-        h = v_new = seg_state = run_init = b = ds_end = dk_wy = dgamma_wy = None
+        factors = factors_buffer(p, num_chunks, self.outputs[4], dev) if self.prepare else None
+        h = v_new = None
         if self.recompute:
             h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
             v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        if self.cp:
-            capacity = plan.segments.seg_info.shape[0]
-            seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
-            run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if self.recompute else None
-            b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-            ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-        dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
-        dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        if late:
-            dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
-            dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
-        return _Workspace(prep, h, v_new, seg_state, run_init, b, ds_end, dv_local, dh, dv_new, dk_wy, dgamma_wy)
+        return _Kept(factors, h, v_new, torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev),
+                     torch.empty(tokens, hv, dv, dtype=dtype, device=dev),
+                     torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev))
 
     def run(self, q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved: dict, intermediates: bool):
         """One backward call (``backward_stages``)."""
@@ -357,19 +333,21 @@ class BackwardConfig:
             plan = saved["prepared"].plan
         segs = plan.segments if self.cp else None
         capture = capturing(dev)
-        ws = self.workspace(plan, saved.get("a_r"), not intermediates, capture)
+        kept = self.kept_buffers(plan, not intermediates, capture)
+        num_chunks = plan.chunk_bounds.shape[0]
         if self.prepare:
-            launch_prepare(kernels.prepare, flat, plan, ws.prep, use_l2)
+            buffers = prepare_buffers(p, num_chunks, dtype, dev, self.outputs, saved.get("a_r"),
+                                      None if kept is None else kept.factors)
+            launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
             qf, kf, vf, _, bf = flat
-            w, a_u, gamma, a_r = ws.prep.w, ws.prep.a_u, ws.prep.gamma, ws.prep.a_r
-            q_norm_inv, k_norm_inv = ws.prep.q_norm_inv, ws.prep.k_norm_inv
-            del flat
+            w, a_u, gamma, a_r = buffers.w, buffers.a_u, buffers.gamma, buffers.a_r
+            q_norm_inv, k_norm_inv = buffers.q_norm_inv, buffers.k_norm_inv
+            del flat, buffers
         else:
             prep = saved["prepared"]
             qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, None, prep.gamma, prep.a_r
             q_norm_inv, k_norm_inv = prep.q_norm_inv, prep.k_norm_inv
             del prep
-        num_chunks = plan.chunk_bounds.shape[0]
         dof = _as(do.reshape(tokens, hv, dv), dtype).contiguous()
         runs = plan.seq_info if segs is None else segs.seg_info  # what the sequential stages walk
         h0 = None if initial_state is None else _as(initial_state, torch.float32).contiguous()
@@ -378,10 +356,22 @@ class BackwardConfig:
         # with CP it is gathered from the segments' start gradients.
         dh0 = torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev) if segs is None else None
         recompute = self.recompute
-        h, v_new = (ws.h, ws.v_new) if recompute else (saved["h"], saved["v_new"])
-        seg_state, run_init, b, ds_end = ws.seg_state, ws.run_init, ws.b, ws.ds_end
-        dv_local, dh, dv_new, dk_wy, dgamma_wy = ws.dv_local, ws.dh, ws.dv_new, ws.dk_wy, ws.dgamma_wy
-        del ws  # (a workspace made for this call only: each buffer freed after its last reader, below)
+        if not recompute:
+            h, v_new = saved["h"], saved["v_new"]
+        elif kept is not None:
+            h, v_new = kept.h, kept.v_new
+        else:
+            h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+            v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        if segs is not None:
+            capacity = segs.seg_info.shape[0]
+            seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
+            run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
+            b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+            ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if kept is None else kept.dv_local
+        dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev) if kept is None else kept.dh
+        dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
         scale = p.scale
 
         # The gradient chain on a stream of its own, the forward-state side (segment transitions,
@@ -449,9 +439,12 @@ class BackwardConfig:
         del w, dv_local, a_u
 
         dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        if dk_wy is None:  # (a workspace of this call's: allocated once w, A_g and the local dV are freed)
+        if kept is None:  # (allocated once W, A_g and the local dV are freed)
             dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
             dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+        else:  # the local dV's buffer (read for the last time by the state gradients, joined above; K = V)
+            dk_wy, dgamma_wy = kept.dv_local, kept.dgamma_wy
+        del kept
         dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
         dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads
         kernels.wy_grads(kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta,

@@ -368,10 +368,20 @@ class PrepareBuffers(NamedTuple):
     log_bound: torch.Tensor
 
 
+def factors_buffer(problem, num_chunks: int, write_bound: bool, dev: torch.device) -> torch.Tensor:
+    """The one fp32 buffer that ``prepare_buffers`` cuts gamma, the inverse norms and (with
+    ``write_bound``) the log bounds from."""
+    rows = problem.num_v_heads + 2 * problem.num_qk_heads
+    return torch.empty(rows * num_chunks * CHUNK + (problem.num_v_heads * num_chunks if write_bound else 0),
+                       dtype=torch.float32, device=dev)
+
+
 def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.device,
-                    outputs: tuple[bool, ...], a_r: torch.Tensor | None = None) -> PrepareBuffers:
+                    outputs: tuple[bool, ...], a_r: torch.Tensor | None = None,
+                    factors: torch.Tensor | None = None) -> PrepareBuffers:
     """``prepare_wu``'s output buffers for ``num_chunks`` chunks (the plan's capacity);
-    ``outputs`` as in ``run_prepare``; ``a_r``: the forward's A_r where the variant reads it."""
+    ``outputs`` as in ``run_prepare``; ``a_r``: the forward's A_r where the variant reads it;
+    ``factors``: a ``factors_buffer`` of the caller's (kept between calls), else a new one."""
     write_inverse, write_u, write_au, write_w, write_bound, read_inverse = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
@@ -384,8 +394,8 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
     # time: each torch.empty is a few us on the GPU host), rows of 256 bytes keep the alignment.
     # The transitions' log bounds (one value per value head and chunk) come after them.
     rows = hv + 2 * hqk
-    factors = torch.empty(rows * num_chunks * CHUNK + (hv * num_chunks if write_bound else 0), dtype=torch.float32,
-                          device=dev)
+    if factors is None:
+        factors = factors_buffer(problem, num_chunks, write_bound, dev)
     gamma, q_norm_inv, k_norm_inv = factors[:rows * num_chunks * CHUNK].view(rows, num_chunks, CHUNK).split_with_sizes(
         (hv, hqk, hqk))
     log_bound = (factors[rows * num_chunks * CHUNK:].view(hv, num_chunks) if write_bound

@@ -1,7 +1,8 @@
-"""GPU: repeat backward calls through kept intermediates (``backward._KEPT``: one workspace per
-configuration, stream and thread where small) give the same bits as calls that allocate their
-own, with the kept buffers filled with NaN in between; another stream and a CUDA-graph capture
-get buffers of their own; the sizes are bounded and ``release_workspaces`` frees them."""
+"""GPU: repeat backward calls through kept intermediates (``backward._KEPT``: per configuration,
+stream and thread where small) give the same bits as calls that allocate their own, with the
+kept buffers filled with NaN in between; another stream and a CUDA-graph capture get buffers of
+their own; keeping does not raise the peak; the sizes are bounded and ``release_workspaces``
+frees them."""
 
 import pytest
 import torch
@@ -35,12 +36,12 @@ def _case(monkeypatch, cp: bool, h0: bool, dht: bool, forward_mode: str):
     return lambda: hopper_backward(q, k, v, g, beta, do, dfinal, problem, init, True, cu, False, saved)
 
 
-def _tensors(ws):
-    return [t for t in (*(ws.prep or ()), *ws[1:]) if t is not None]
+def _tensors(kept):
+    return [t for t in kept if t is not None]
 
 
-def _poison(ws):
-    for t in _tensors(ws):
+def _poison(kept):
+    for t in _tensors(kept):
         t.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype
 
 
@@ -64,17 +65,26 @@ def test_repeat_call_on_kept_intermediates_equals_a_call_of_its_own(monkeypatch,
     monkeypatch.setattr(backward, "KEPT_WORKSPACE_BYTES", 0)  # nothing kept: each call allocates
     want = call()
     assert not backward._KEPT
-    monkeypatch.setattr(backward, "KEPT_WORKSPACE_BYTES", 128 << 20)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     call()
+    peak_alone = torch.cuda.max_memory_allocated() - base
+    monkeypatch.setattr(backward, "KEPT_WORKSPACE_BYTES", 128 << 20)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    peak_keeping = torch.cuda.max_memory_allocated() - base  # (the kept buffers included)
+    assert peak_keeping <= peak_alone + (1 << 20)  # (allocator rounding)
     assert len(backward._KEPT) == 1
-    config, ws = next(iter(backward._KEPT.items()))
-    assert config[0].cp == cp and (ws.prep is None) == (forward_mode == "saved")
-    assert config[0].workspace_bytes == backward._workspace_bytes(ws)
-    _poison(ws)
+    key, kept = next(iter(backward._KEPT.items()))
+    assert key[0].cp == cp and (kept.factors is None) == (forward_mode == "saved")
+    assert key[0].kept_size == backward._kept_bytes(kept)
+    _poison(kept)
     got = call()
-    assert list(backward._KEPT.values()) == [ws]  # the same buffers, reused
+    assert list(backward._KEPT.values()) == [kept]  # the same buffers, reused
     _assert_same(got, want)
-    storages = {t.untyped_storage().data_ptr() for t in _tensors(ws)}
+    storages = {t.untyped_storage().data_ptr() for t in _tensors(kept)}
     assert not any(x is not None and x.untyped_storage().data_ptr() in storages for x in got)
 
 
@@ -92,8 +102,8 @@ def test_other_stream_and_graph_capture_get_their_own_intermediates(monkeypatch)
     with torch.cuda.graph(graph):
         captured = call()
     assert len(backward._KEPT) == 2  # nothing kept from the capture
-    for ws in backward._KEPT.values():
-        _poison(ws)
+    for kept in backward._KEPT.values():
+        _poison(kept)
     graph.replay()
     torch.cuda.synchronize()
     _assert_same(captured, want)
@@ -107,7 +117,7 @@ def test_kept_intermediates_are_bounded_and_released(monkeypatch):
     assert len(backward._CONFIGS) == 1 and not backward._KEPT
     monkeypatch.setattr(backward, "KEPT_WORKSPACE_BYTES", 128 << 20)
     call()
-    size = backward._workspace_bytes(next(iter(backward._KEPT.values())))
+    size = backward._kept_bytes(next(iter(backward._KEPT.values())))
     monkeypatch.setattr(backward, "KEPT_WORKSPACE_TOTAL", size + size // 2)
     other = _case(monkeypatch, True, True, False, "solved")  # another configuration (an initial state)
     other()

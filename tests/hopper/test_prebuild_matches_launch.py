@@ -149,11 +149,11 @@ def test_backward_decisions_are_kept_per_configuration(recorder):
     assert len(backward._CONFIGS) == 1
     config = next(iter(backward._CONFIGS.values()))
     assert config.cp and config.kernels.forward_scan is not None
-    # ... and its intermediates, for this thread (on the CPU: no stream)
+    # ... and the intermediates it keeps, for this thread (on the CPU: no stream)
     assert list(backward._KEPT) == [(config, None, threading.get_ident())]
     kept = backward._KEPT[config, None, threading.get_ident()]
-    assert kept.prep.a_r is None  # the forward's A_r is not kept with them
-    assert config.workspace_bytes == backward._workspace_bytes(kept)  # (sized on the meta device)
+    assert kept.factors is not None and kept.h is not None  # (recomputing: prepare_wu and chunk_states run)
+    assert config.kept_size == backward._kept_bytes(kept)  # (sized on the meta device)
     backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, False, cu, extras)
     assert list(backward._CONFIGS.values()) == [config]
     dht = torch.zeros(1, 4, 128, 128)
