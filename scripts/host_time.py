@@ -45,7 +45,7 @@ def row_call(spec: str, mode: str):
     if mode == "backward":
         _, _, saved = chunk_gated_delta_rule_fwd(**x)
         return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
-    if mode != "train" and mode != "autograd":
+    if mode not in ("train", "autograd"):
         return lambda: chunk_gated_delta_rule(**x)
     leaves = [x[name].requires_grad_(True) for name in ("q", "k", "v", "g", "beta")]
     if mode == "autograd":
@@ -80,11 +80,11 @@ def main(argv):
     mode = "train" if "--train" in argv else "backward" if "--backward" in argv else "forward"
     specs = [a for a in argv if not a.startswith("--")] or ["2/8:1x2048", "16/16:1x2048", "8/32:1024x8"]
     print(f"{mode}: {'row':<16} {'host us':>8} {'median':>7} {'eager us':>9} {'kernel us':>10} {'eager-kernel':>13}")
-    if mode == "train":
-        specs = specs + [("autograd", specs[0])]
-    for i, spec in enumerate(specs):
-        call = row_call(spec[1], "autograd") if isinstance(spec, tuple) else row_call(spec, mode)
-        spec = f"{spec[1]} (1 kernel)" if isinstance(spec, tuple) else spec
+    # (label, spec, mode): the rows, then for a training step the one-kernel baseline on the first
+    runs = [(spec, spec, mode) for spec in specs] + ([(f"{specs[0]} (1 kernel)", specs[0], "autograd")]
+                                                     if mode == "train" else [])
+    for i, (spec, row, row_mode) in enumerate(runs):
+        call = row_call(row, row_mode)
         host, eager, median = host_and_eager_us(call)
         kernel = kernel_time_ms(call, 20) * 1e3
         print(f"{spec:<16} {host:8.1f} {median:7.1f} {eager:9.1f} {kernel:10.1f} {eager - kernel:13.1f}", flush=True)

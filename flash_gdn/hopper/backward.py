@@ -150,7 +150,8 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     states (``save_chunk_states``), prepare_wu and chunk_states are skipped. With
     ``intermediates`` (tests) every stage's outputs come back too; without, each buffer is
     dropped once its last reader has been launched (A_g, W, M^T dO, dV_new: 896 B per token
-    and value head at K = V = 128 off the peak) and only the gradients come back. Where the
+    and value head at K = V = 128 off the peak; M^T dO's memory holds dK_wy instead where
+    the call keeps its intermediates, ``_KEPT``) and only the gradients come back. Where the
     forward kept its chunk inverse (``saved["a_r"]``), prepare_wu reads it instead of solving
     for it again."""
     saved = saved or {}
@@ -311,7 +312,8 @@ class BackwardConfig:
         p, dtype = self.problem, self.dtype
         hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
         tokens, num_chunks = p.batch * p.seq_len, plan.chunk_bounds.shape[0]
-        factors = factors_buffer(p, num_chunks, self.outputs[4], dev) if self.prepare else None
+        write_bound = self.outputs[4]  # (prepare_wu's outputs: see prepare_buffers)
+        factors = factors_buffer(p, num_chunks, write_bound, dev) if self.prepare else None
         h = v_new = None
         if self.recompute:
             h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
