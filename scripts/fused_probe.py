@@ -17,16 +17,15 @@ Switches (all on by default): ``aux`` (the auxiliary warpgroup's whole chunk com
 auxiliary warpgroup also forms Q Q^T each chunk).
 """
 
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 
 import torch
 
+from kernel_probe import call_time_us, patched_module
+
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "forward_fused.py")
-_WORKDIR = tempfile.mkdtemp(prefix="flash_gdn_fused_probe_")
 
 
 def _indent_block(s: str, start: str, end: str, header: str) -> str:
@@ -45,7 +44,6 @@ def patched_source(switches: dict) -> str:
     s = open(SOURCE).read()
     assert "AUX_STAGES = 2" in s
     s = s.replace("AUX_STAGES = 2", f"DEBUG = {switches!r}\nAUX_STAGES = 2", 1)
-    s = s.replace("from .launch", "from flash_gdn.hopper.launch").replace("from .tiles", "from flash_gdn.hopper.tiles")
     aux = "                    "
     s = _indent_block(s, aux + "# Inverse row norms (fused L2 norm)", aux + "T.fence_proxy_async()  # generic stores",
                       aux + "if DEBUG.get('aux', True):\n")
@@ -65,14 +63,9 @@ def patched_source(switches: dict) -> str:
 
 
 def compiled(switches: dict, number: int):
-    """The kernel built from a patched copy (TileLang reads kernel source from a file)."""
-    path = os.path.join(_WORKDIR, f"probe_{number}.py")
-    with open(path, "w") as f:
-        f.write(patched_source(switches))
-    spec = importlib.util.spec_from_file_location(f"fused_probe_{number}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._forward_fused_kernel(128, 128, "bfloat16", "float32", False)
+    """The kernel built from a patched copy."""
+    return patched_module(patched_source(switches), f"fused_probe_{number}")._forward_fused_kernel(
+        128, 128, "bfloat16", "float32", False)
 
 
 def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int) -> float:
@@ -87,16 +80,7 @@ def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int) -> float:
     o = torch.empty(t, hv, 128, device="cuda", dtype=torch.bfloat16)
     state = torch.empty(seqs, hv, 128, 128, device="cuda")
     call = lambda: kernel(q, k, v, g, beta, plan.seq_info, state, 128 ** -0.5, 0, o, state)  # noqa: E731
-    for _ in range(3):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 10 * 1000
-
+    return call_time_us(call)
 
 if __name__ == "__main__":
     for number, spec in enumerate(sys.argv[1:] or ["{}"]):

@@ -25,17 +25,16 @@ Rows: a list of [Hqk, Hv, sequences, length] (default: 8/32 x 8192x4, 16/64 x 81
 2/8 x 8192x16).
 """
 
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 
 import torch
 
+from kernel_probe import call_time_us, patched_module
+
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_output_vmajor.py")
 VARIANTS = ("full", "chain", "no_pt", "no_store", "no_tma_store", "o_double")
-_WORKDIR = tempfile.mkdtemp(prefix="flash_gdn_state_output_probe_")
 _BODY = " " * 16  # the chunk loop's body
 _STORE = _BODY + "    store_chunk_rows(o_s, o, start, length, head, v0, wait=False)\n"
 _TILE = _BODY + "    for vr, i in T.Parallel(block_v, CHUNK):\n" + _BODY + "        o_s[i, vr] = out_t[vr, i]\n"
@@ -66,7 +65,6 @@ def _without_output(s: str, keep_sq: bool) -> str:
 def patched_source(variant: str) -> str:
     assert variant in VARIANTS, variant
     s = open(SOURCE).read()
-    s = s.replace("from .launch", "from flash_gdn.hopper.launch").replace("from .tiles", "from flash_gdn.hopper.tiles")
     if variant in ("chain", "no_pt"):
         s = _replace(s, _BODY + "    T.wgmma_gemm(k_tile, q_tile, pt, transpose_B=True, clear_accum=True)\n", "")
     if variant == "chain":  # S^T Q^T too: the wait that followed it now waits for V_new alone
@@ -94,13 +92,8 @@ def patched_source(variant: str) -> str:
 
 def compiled(variant: str, number: int):
     """The kernel (bf16, K = V = 128, no initial state, form_w, unsplit) from a patched copy."""
-    path = os.path.join(_WORKDIR, f"probe_{number}.py")
-    with open(path, "w") as f:
-        f.write(patched_source(variant))
-    spec = importlib.util.spec_from_file_location(f"state_output_probe_{number}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._state_output_vmajor_kernel(128, 128, "bfloat16", False, True, 2, False, False)
+    return patched_module(patched_source(variant), f"state_output_probe_{number}")._state_output_vmajor_kernel(
+        128, 128, "bfloat16", False, True, 2, False, False)
 
 
 def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int) -> float:
@@ -121,19 +114,7 @@ def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int) -> float:
     o = torch.empty(t, hv, 128, device=dev, dtype=torch.bfloat16)
     state = torch.empty(seqs, hv, 128, 128, device=dev)
     call = lambda: kernel(q, k, w, v, a_g, gamma, norms, norms, plan.seq_info, state, 128 ** -0.5, o, state)  # noqa: E731
-    for _ in range(3):
-        call()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 10 * 1000)
-    return best
-
+    return call_time_us(call, batches=3)
 
 if __name__ == "__main__":
     variants = (sys.argv[1] if len(sys.argv) > 1 else "full,chain,no_pt,no_store").split(",")

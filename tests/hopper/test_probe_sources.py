@@ -4,10 +4,12 @@ GPU host."""
 
 import importlib.util
 import os
+import sys
 
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))  # the probes import their shared helper
 
 
 def _script(name: str):
@@ -18,6 +20,7 @@ def _script(name: str):
 
 
 STATE_OUTPUT_PROBE = _script("state_output_probe")
+FUSED_PROBE = _script("fused_probe")
 
 
 @pytest.mark.parametrize("variant", STATE_OUTPUT_PROBE.VARIANTS)
@@ -29,3 +32,15 @@ def test_state_output_probe_variant_compiles(variant):
     assert "wgmma" in source
     if variant in ("full", "no_pt", "no_tma_store", "o_double"):
         assert "o_s" in source
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_fused_probe_compiles(off):
+    """Every switch on (the kernel as it is), or off (each guard's marker still found)."""
+    from tilelang import tvm
+
+    switches = {name: not off for name in ("aux", "state", "inv", "pt", "kkt", "stage", "ag", "fac")}
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = FUSED_PROBE.compiled(switches, int(off)).get_kernel_source()
+    assert "forward_fused" in source
+    assert ("wgmma" in source) != off  # with everything off no product is left
