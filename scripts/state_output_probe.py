@@ -20,6 +20,11 @@ Variants:
   memory nor stored (and with it go the two consumer-wide barriers around that tile).
 - ``no_tma_store``: the output tile written, its TMA store left out.
 - ``o_double``: two output tiles in turn, so a chunk waits for the store two chunks back.
+- ``roles``: ``hopper/state_output_roles.py`` (the same products with explicit warpgroup roles,
+  P^T formed by the producer, no barrier across the state warpgroups); its output and final
+  state are compared with ``full``'s on the same inputs.
+- ``roles_no_pt``, ``roles_no_store``: ``roles`` without P^T (neither the producer's K Q^T and
+  pass nor the state warpgroups' V_new^T P^T), or without the output tiles and their stores.
 
 Rows: a list of [Hqk, Hv, sequences, length] (default: 8/32 x 8192x4, 16/64 x 8192x4,
 2/8 x 8192x16).
@@ -34,7 +39,9 @@ import torch
 from kernel_probe import call_time_us, patched_module
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_output_vmajor.py")
-VARIANTS = ("full", "chain", "no_pt", "no_store", "no_tma_store", "o_double")
+VARIANTS = ("full", "chain", "no_pt", "no_store", "no_tma_store", "o_double", "roles", "roles_no_pt", "roles_no_store")
+ROLES_SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_output_roles.py")
+_ROLES_BODY = " " * 8  # state_warpgroup's chunk loop
 _BODY = " " * 16  # the chunk loop's body
 _STORE = _BODY + "    store_chunk_rows(o_s, o, start, length, head, v0, wait=False)\n"
 _TILE = _BODY + "    for vr, i in T.Parallel(block_v, CHUNK):\n" + _BODY + "        o_s[i, vr] = out_t[vr, i]\n"
@@ -90,14 +97,34 @@ def patched_source(variant: str) -> str:
     return s
 
 
+def patched_roles_source(variant: str) -> str:
+    s = open(ROLES_SOURCE).read()
+    b = _ROLES_BODY
+    if variant == "roles_no_pt":
+        producer = " " * 20  # the producer's chunk loop
+        s = _replace(s, producer + "T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, "
+                     "clear_accum=True)\n" + producer + "T.wait_wgmma(0)\n"
+                     + producer + "chunk_pt(pt, pt_s[c % stages, :, :], fac, c % stages)\n", "")
+        s = _replace(s, b + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
+    if variant == "roles_no_store":
+        start = s.index(b + "T.tma_store_wait(0)\n")
+        end = s.index(b + "store_chunk_rows(o_s, o, start, length, head, v0, wait=False)\n")
+        s = s[:start] + s[end:].split("\n", 1)[1]
+    return s
+
+
 def compiled(variant: str, number: int):
     """The kernel (bf16, K = V = 128, no initial state, form_w, unsplit) from a patched copy."""
+    if variant.startswith("roles"):
+        module = patched_module(patched_roles_source(variant), f"state_output_probe_{number}")
+        return module._state_output_roles_kernel(128, 128, "bfloat16", False, 2)
     return patched_module(patched_source(variant), f"state_output_probe_{number}")._state_output_vmajor_kernel(
         128, 128, "bfloat16", False, True, 2, False, False)
 
 
-def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int) -> float:
-    """Best of three batches, us a call."""
+def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int, reference=None) -> tuple[float, float | None]:
+    """Best of three batches, us a call; with a ``reference`` kernel also the largest relative
+    difference of the output and the final state to its on the same inputs."""
     from flash_gdn.planning import plan_for
 
     dev = torch.device("cuda")
@@ -114,14 +141,24 @@ def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int) -> float:
     o = torch.empty(t, hv, 128, device=dev, dtype=torch.bfloat16)
     state = torch.empty(seqs, hv, 128, 128, device=dev)
     call = lambda: kernel(q, k, w, v, a_g, gamma, norms, norms, plan.seq_info, state, 128 ** -0.5, o, state)  # noqa: E731
-    return call_time_us(call, batches=3)
+    diff = None
+    if reference is not None:
+        o.fill_(float("nan"))
+        call()
+        o_ref, state_ref = torch.full_like(o, float("nan")), torch.empty_like(state)
+        reference(q, k, w, v, a_g, gamma, norms, norms, plan.seq_info, state, 128 ** -0.5, o_ref, state_ref)
+        diff = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+                   for x, y in ((o, o_ref), (state, state_ref)))
+    return call_time_us(call, batches=3), diff
 
 if __name__ == "__main__":
     variants = (sys.argv[1] if len(sys.argv) > 1 else "full,chain,no_pt,no_store").split(",")
     rows = json.loads(sys.argv[2]) if len(sys.argv) > 2 else [[8, 32, 4, 8192], [16, 64, 4, 8192], [2, 8, 16, 8192]]
     kernels = {variant: compiled(variant, number) for number, variant in enumerate(variants)}
+    full = kernels.get("full") or compiled("full", len(variants))
     print(torch.cuda.get_device_name(), flush=True)
     for row in rows:
         for variant in variants:
-            us = time_kernel(kernels[variant], *row)
-            print(f"{variant:13s} {row}: {us:8.1f} us  {us / (row[3] // 64):.3f} us a chunk", flush=True)
+            us, diff = time_kernel(kernels[variant], *row, reference=full if variant.startswith("roles") else None)
+            agree = "" if diff is None else f"  max rel diff to full {diff:.1e}"
+            print(f"{variant:13s} {row}: {us:8.1f} us  {us / (row[3] // 64):.3f} us a chunk{agree}", flush=True)

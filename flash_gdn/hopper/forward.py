@@ -30,6 +30,7 @@ from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUT
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_output import build_state_output
+from .state_output_roles import build_state_output_roles
 from .state_output_vmajor import build_state_output_vmajor
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 
@@ -53,6 +54,15 @@ def use_fused(dk: int, dv: int, save_states: bool) -> bool:
     return not save_states and dk == 128 and dv == 128 and fused_opted_in()
 
 
+def use_state_roles(cp: bool, split: bool, dv: int) -> bool:
+    """Whether the output kernel is ``state_output_roles`` (explicit warpgroup roles: P^T formed by
+    the producer, no barrier across the state warpgroups; forward kernel time -3 to -11 % where
+    it runs, H200, in-process A/B, docs/performance.md s34) rather than ``state_output_vmajor``:
+    V = 128, without CP and without the split output kernel. ``FLASH_GDN_STATE_ROLES=0`` keeps
+    the V-major kernel."""
+    return not cp and not split and dv == 128 and env_get("FLASH_GDN_STATE_ROLES", "1") != "0"
+
+
 def fused_opted_in() -> bool:
     """The opt-in switch of the one-kernel forward (``FLASH_GDN_FUSED=1``; also what ``warmup`` builds)."""
     return env_get("FLASH_GDN_FUSED", "0") == "1"
@@ -64,10 +74,11 @@ _KERNELS: dict[tuple, ForwardKernels] = {}
 
 
 def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                    fused=False, keep_inverse=False) -> ForwardKernels:
+                    fused=False, keep_inverse=False, roles=False) -> ForwardKernels:
     """The configuration's kernels, compiled together at its first call (``prebuild``).
-    ``keep_inverse``: the default forward also writes A_r for the backward."""
-    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused, keep_inverse)
+    ``keep_inverse``: the default forward also writes A_r for the backward. ``roles``: the
+    output kernel is ``state_output_roles`` (``use_state_roles``)."""
+    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused, keep_inverse, roles)
     kernels = _KERNELS.get(key)
     if kernels is None:
         build_together(("forward", *key), lambda: forward_builders(*key))
@@ -77,7 +88,7 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                     fused=False, keep_inverse=False) -> ForwardKernels:
+                     fused=False, keep_inverse=False, roles=False) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     if fused:
         return ForwardKernels(None, None, None, lambda: build_forward_fused(dk, dv, tl_dtype, gate_dtype, has_h0))
@@ -88,6 +99,8 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
         # 6.1 vs 6.9 us per chunk, H200)
         output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv, in_place=cp)  # noqa: E731
+    elif roles:  # the same products, explicit warpgroup roles (no CP, not split)
+        output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0)  # noqa: E731
     else:  # the state as a register operand; W S formed from K and A_g (W is not written)
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, True, split_v=split,  # noqa: E731
                                                    in_place=cp)
@@ -195,7 +208,7 @@ def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens
                               keep_inverse=keep_inverse)
     stream = planning.current_stream_handle(dev) if dev.type == "cuda" else None
     key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(), keep_inverse,
-           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
+           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_STATE_ROLES"))
     call = _CALLS.get(key)
     if call is None:
         call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True,
@@ -239,7 +252,8 @@ class DefaultForward:
         self.keep_inverse = keep_inverse
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
-                                       split, keep_inverse=keep_inverse)
+                                       split, keep_inverse=keep_inverse,
+                                       roles=use_state_roles(self.cp, split, dv))
         self.keep = keep
         self.workspace: _Workspace | None = None
 
@@ -372,11 +386,11 @@ def _prepare_outputs(save_states: bool, cp: bool, keep_inverse: bool = False) ->
 
 
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False, fused=False,
-                     keep_inverse=False):
+                     keep_inverse=False, roles=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
     builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                                            fused, keep_inverse)
+                                            fused, keep_inverse, roles)
                 if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]

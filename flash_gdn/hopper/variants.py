@@ -22,6 +22,7 @@ from .segment_state import build_segment_state
 from .state_grads import build_state_grads
 from .wy_grads import build_wy_grads
 from .state_output import build_state_output
+from .state_output_roles import build_state_output_roles
 from .state_output_vmajor import build_state_output_vmajor
 
 DTYPES = ("bfloat16", "float16")
@@ -69,6 +70,11 @@ def kernel_builders(head_dim: int, dtype: str):
                  for sv in sorted({False, d == 128})]
     builders.append((f"state_output_vmajor[{dtype},h0=True,form_w=True,split_v=False,in_place=True]",
                      lambda: build_state_output_vmajor(d, d, dtype, True, True, in_place=True)))
+    # V = 128 without CP and unsplit: the kernel with warpgroup roles (forward.use_state_roles;
+    # the unsplit state_output_vmajor above where FLASH_GDN_STATE_ROLES=0).
+    if d == 128:
+        builders += [(f"state_output_roles[{dtype},h0={h0}]", lambda h0=h0: build_state_output_roles(d, d, dtype, h0))
+                     for h0 in (False, True)]
     return builders
 
 

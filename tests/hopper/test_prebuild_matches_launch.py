@@ -13,7 +13,7 @@ pytest.importorskip("tilelang")
 from flash_gdn.validation import Problem  # noqa: E402
 
 FORWARD_BUILDERS = ("build_prepare_wu", "build_segment_state", "build_segment_scan", "build_state_output",
-                    "build_state_output_vmajor", "build_forward_fused", "build_sequence_prefix", "build_cut_pieces")
+                    "build_state_output_vmajor", "build_state_output_roles", "build_forward_fused", "build_sequence_prefix", "build_cut_pieces")
 BACKWARD_BUILDERS = ("build_chunk_states", "build_local_dv", "build_prepare_wu", "build_qk_grads", "build_segment_scan",
                      "build_segment_state", "build_state_grads", "build_wy_grads", "build_sequence_prefix",
                      "build_cut_pieces")
@@ -61,6 +61,7 @@ def recorder(monkeypatch):
     monkeypatch.delenv("FLASH_GDN_CP", raising=False)
     monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
     monkeypatch.delenv("FLASH_GDN_FUSED", raising=False)
+    monkeypatch.delenv("FLASH_GDN_STATE_ROLES", raising=False)
     return rec
 
 
@@ -96,6 +97,22 @@ def test_forward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, wit
     h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
     hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False, **FORWARD_MODES[mode])
     assert recorder.launched and recorder.launched <= recorder.built, recorder.launched - recorder.built
+
+
+@pytest.mark.parametrize("roles", ["1", "0"])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_output_kernel_with_roles_or_not(recorder, monkeypatch, roles, with_h0):
+    """8/32 x 2048x4 (no CP, not split) runs state_output_roles, or with
+    FLASH_GDN_STATE_ROLES=0 the unsplit state_output_vmajor; either one prebuilt."""
+    from flash_gdn.hopper.forward import hopper_forward
+
+    monkeypatch.setenv("FLASH_GDN_STATE_ROLES", roles)
+    q, k, v, g, beta, cu, problem = _inputs([2048] * 4, 8, 32)
+    h0 = torch.zeros(4, 32, 128, 128) if with_h0 else None
+    hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False)
+    output = {name for name, _, _ in recorder.launched} & {"build_state_output_roles", "build_state_output_vmajor"}
+    assert output == {"build_state_output_roles" if roles == "1" else "build_state_output_vmajor"}
+    assert recorder.launched <= recorder.built, recorder.launched - recorder.built
 
 
 @pytest.mark.parametrize("with_h0", [False, True])

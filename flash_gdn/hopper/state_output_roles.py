@@ -1,0 +1,243 @@
+"""Forward stage 2, V-major, with explicit warpgroup roles: no barrier across the state warpgroups.
+
+The same products as ``state_output_vmajor`` with ``form_w`` (K = 64 or 128, V = 128, no
+context parallelism; DESIGN section 2 and direction 1 of section 6), per chunk and 64 rows of V:
+
+    V_new^T = V^T A_g^T - ((S^T K^T) diag(e^gamma r)) A_g^T
+    O^T     = (S^T Q^T) diag(scale e^gamma r_q) + V_new^T P^T,   P^T = K Q^T masked and scaled
+    S^T     = e^gamma_C S^T + (V_new^T diag(e^(gamma_C - gamma) r)) K
+
+but the chunk loop is not TileLang's pipelined loop. There, every shared tile written inside
+the loop (P^T, the column factors, the output tile) gets a barrier of all 256 consumer threads,
+so both state warpgroups line up several times a chunk; the probe of s33 (docs/performance.md)
+put the output tile and its two barriers at 0.70 of the kernel's 2.75 us a chunk. Here:
+
+- the producer (warpgroup 2) issues each chunk's q, k, v and A_g tiles by TMA into one of
+  ``stages`` buffers (its own ``loaded`` barrier), computes the chunk's column factors into the
+  same stage (plain loads of gamma and the inverse norms), then P^T: K Q^T on the tensor cores,
+  masked and scaled (``chunk_pt``), into the stage's shared P^T tile. It runs a stage ahead of
+  the state warpgroups, so none of this is on their chain. ``full`` (its 128 threads, after a
+  proxy fence for P^T's generic stores) and ``empty`` (the 256 state threads) hand a stage over
+  and back; arrivals do not make the state warpgroups wait for each other.
+- each state warpgroup (0: V rows 0-63, 1: 64-127) runs the rest of the chunk on its own and
+  writes its own output tile of 64 columns, stored by its own TMA store. Its only barriers are
+  its own 128 threads' (named barriers TileLang numbers per role, and ``O_BARRIER + wg`` before
+  the output tile is rewritten).
+
+Registers: 168 a thread at launch (64K / 384), then 208 for each state thread and 88 for the
+producer (setmaxnreg; 2 x 128 x 208 + 128 x 88 = 168 x 384): the producer now holds a 64 x 64
+fp32 accumulator (K Q^T) and its pass, which the pipelined kernel's 24-register producer did
+not; ptxas (CUDA 13.0, sm_90a) reports no spills in either role.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from .launch import Launcher
+from .tiles import ACCUM, CHUNK, store_chunk_rows
+
+THREADS = 384
+PRODUCER_THREAD0 = 256  # warpgroup 2
+WG_ROWS = 64  # rows of V per state warpgroup
+THREAD_REGS = 168
+STATE_REGS = 208
+PRODUCER_REGS = 88
+assert 2 * 128 * STATE_REGS + 128 * PRODUCER_REGS <= THREAD_REGS * THREADS
+O_BARRIER = 12  # named barrier of warpgroup w before its output tile is rewritten: O_BARRIER + w
+# Rows of the staged column factors (``fac``): gamma and the inverse key norms (P^T's row and
+# column factors), scale r_q (P^T's columns), -e^gamma r (S^T K^T's columns), scale e^gamma r_q
+# (S^T Q^T's), e^(gamma_C - gamma) r masked past the end (V_new^T's in the update), e^gamma_C.
+F_GAMMA, F_KINV, F_QCOL, F_W, F_Q, F_K, F_DECAY = range(7)
+NUM_FACTORS = 7
+
+
+@functools.lru_cache(maxsize=None)
+def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = 2):
+    """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True)``
+    (W is not read); V = 128 only."""
+    return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages))
+
+
+@T.macro
+def stage_factors(fac, stage, gamma, q_norm_inv, k_norm_inv, chunk, head, qk_head, length, scale):
+    """The column factors of a chunk (``length`` rows, > 0) into ``fac[stage]`` (rows F_*). Every
+    exponent is <= 0 (gamma is a decreasing cumsum, constant past the end)."""
+    for i in T.Parallel(CHUNK):
+        fac[stage, F_GAMMA, i] = gamma[head, chunk, i]
+        fac[stage, F_KINV, i] = k_norm_inv[qk_head, chunk, i]
+        fac[stage, F_QCOL, i] = scale * q_norm_inv[qk_head, chunk, i]
+        fac[stage, F_W, i] = -T.__exp(gamma[head, chunk, i]) * k_norm_inv[qk_head, chunk, i]
+        fac[stage, F_Q, i] = T.__exp(gamma[head, chunk, i]) * scale * q_norm_inv[qk_head, chunk, i]
+        fac[stage, F_K, i] = T.if_then_else(
+            i < length, T.__exp(gamma[head, chunk, length - 1] - gamma[head, chunk, i]) * k_norm_inv[qk_head, chunk, i],
+            T.cast(0, ACCUM))
+        fac[stage, F_DECAY, i] = T.__exp(gamma[head, chunk, length - 1])  # read at 0
+
+
+@T.macro
+def chunk_pt(pt, pt_s, fac, stage):
+    """P^T[j, i] = scale e^(gamma_i - gamma_j) r_q[i] r_k[j] (K Q^T)[j, i] for i >= j, from the
+    K Q^T accumulator ``pt`` to ``pt_s`` (the B operand of V_new^T P^T), factors from
+    ``fac[stage]``. Branch-free: the exponent is clamped to <= 0 and the causal mask multiplies."""
+    for j, i in T.Parallel(CHUNK, CHUNK):
+        pt[j, i] = (pt[j, i] * T.__exp(T.min(fac[stage, F_GAMMA, i] - fac[stage, F_GAMMA, j], T.cast(0, ACCUM)))
+                    * fac[stage, F_QCOL, i] * fac[stage, F_KINV, j] * T.cast(i >= j, ACCUM))
+    T.copy(pt, pt_s)
+
+
+@T.macro
+def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s, full, empty,
+                    initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks):
+    """One state warpgroup's whole sequence: S^T of its 64 rows of V in registers (bf16 copy the
+    A operand), the output of those rows through its own tile ``o_s``."""
+    v0 = wg * WG_ROWS
+    state_t = T.alloc_fragment((WG_ROWS, head_k), ACCUM)  # S^T
+    state_a = T.alloc_fragment((WG_ROWS, head_k), dtype)
+    sk_t = T.alloc_fragment((WG_ROWS, CHUNK), ACCUM)  # S^T K^T
+    skw_a = T.alloc_fragment((WG_ROWS, CHUNK), dtype)  # its copy weighted by -e^gamma r
+    vn_t = T.alloc_fragment((WG_ROWS, CHUNK), ACCUM)  # V_new^T
+    vn_a = T.alloc_fragment((WG_ROWS, CHUNK), dtype)
+    vnw_a = T.alloc_fragment((WG_ROWS, CHUNK), dtype)  # V_new^T diag(e^(gamma_C - gamma) r)
+    out_t = T.alloc_fragment((WG_ROWS, CHUNK), ACCUM)  # O^T
+    start = T.alloc_var("int32")
+    length = T.alloc_var("int32")
+    decay = T.alloc_var(ACCUM)
+    if has_initial:
+        for vr, i in T.Parallel(WG_ROWS, head_k):
+            state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
+    else:
+        T.clear(state_t)
+    for c in T.serial(num_chunks):
+        start = seq_start + c * CHUNK
+        length = T.min(seq_end - start, CHUNK)
+        T.mbarrier_wait_parity(full[c % stages], (c // stages) % 2)
+        # U^T = V^T A_g^T needs no state: issued first; then S^T K^T.
+        T.wgmma_gemm(v_s[c % stages, :, v0:v0 + WG_ROWS], au_s[c % stages, :, :], vn_t, transpose_A=True,
+                     transpose_B=True, clear_accum=True)
+        for vr, i in T.Parallel(WG_ROWS, head_k):
+            state_a[vr, i] = T.cast(state_t[vr, i], dtype)
+        T.wgmma_gemm(state_a, k_s[c % stages, :, :], sk_t, transpose_B=True, clear_accum=True)
+        # The state's decay while they run (the products read its copy state_a).
+        decay = fac[c % stages, F_DECAY, 0]
+        for vr, i in T.Parallel(WG_ROWS, head_k):
+            state_t[vr, i] = state_t[vr, i] * decay
+        # V_new^T = U^T + ((S^T K^T) diag(-e^gamma r)) A_g^T; S^T Q^T beside it.
+        T.wait_wgmma(0)
+        for vr, i in T.Parallel(WG_ROWS, CHUNK):
+            skw_a[vr, i] = T.cast(sk_t[vr, i] * fac[c % stages, F_W, i], dtype)
+        T.wgmma_gemm(skw_a, au_s[c % stages, :, :], vn_t, transpose_B=True)
+        T.wgmma_gemm(state_a, q_s[c % stages, :, :], out_t, transpose_B=True, clear_accum=True)
+        T.wait_wgmma(1)
+        # The state update as soon as V_new is known.
+        for vr, i in T.Parallel(WG_ROWS, CHUNK):
+            vnw_a[vr, i] = T.cast(vn_t[vr, i] * fac[c % stages, F_K, i], dtype)
+        T.wgmma_gemm(vnw_a, k_s[c % stages, :, :], state_t)
+        for vr, i in T.Parallel(WG_ROWS, CHUNK):
+            vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
+        # O^T = (S^T Q^T) diag(scale e^gamma r_q) + V_new^T P^T (P^T from the producer).
+        T.wait_wgmma(1)
+        for vr, i in T.Parallel(WG_ROWS, CHUNK):
+            out_t[vr, i] = out_t[vr, i] * fac[c % stages, F_Q, i]
+        T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)
+        T.wait_wgmma(0)
+        T.barrier_arrive(empty[c % stages])
+        # The previous chunk's store has read o_s: tma_store_wait holds the thread that issued it,
+        # this warpgroup's barrier the other 127.
+        T.tma_store_wait(0)
+        T.sync_threads(O_BARRIER + wg, 128)
+        for vr, i in T.Parallel(WG_ROWS, CHUNK):
+            o_s[i, vr] = out_t[vr, i]
+        store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
+    T.tma_store_wait(0)
+    for vr, i in T.Parallel(WG_ROWS, head_k):
+        final_state[seq, head, i, v0 + vr] = state_t[vr, i]
+
+
+@tilelang.jit
+def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
+    assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_chunks_total = T.dynamic("num_chunks")
+    w_tokens = T.dynamic("w_tokens")  # W is not read (the signature is state_output_vmajor's)
+    w_heads = T.dynamic("w_heads")
+
+    @T.prim_func
+    def state_output_roles(
+        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        w: T.Tensor((w_tokens, w_heads, head_k), dtype),
+        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        a_u: T.Tensor((num_chunks_total, num_v_heads, CHUNK, CHUNK), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
+        seq_info: T.Tensor((num_seqs, 3), "int32"),
+        initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        scale: T.float32,
+        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+    ):
+        with T.Kernel(num_seqs, num_v_heads, threads=THREADS) as (seq, head):
+            q_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
+            k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
+            v_s = T.alloc_shared((stages, CHUNK, head_v), dtype)
+            au_s = T.alloc_shared((stages, CHUNK, CHUNK), dtype)
+            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)
+            pt_s = T.alloc_shared((stages, CHUNK, CHUNK), dtype)  # P^T, formed by the producer
+            # Each state warpgroup's own output tile.
+            o_s0 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
+            o_s1 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
+            # loaded: the TMA tiles (the producer's own wait); full: the tiles, the factors and P^T.
+            loaded = T.alloc_barrier([128] * stages)
+            full = T.alloc_barrier([128] * stages)
+            empty = T.alloc_barrier([2 * 128] * stages)
+
+            seq_start = T.alloc_var("int32")
+            seq_end = T.alloc_var("int32")
+            first_chunk = T.alloc_var("int32")
+            num_chunks = T.alloc_var("int32")
+            qk_head = T.alloc_var("int32")
+            seq_start = seq_info[seq, 0]
+            seq_end = seq_info[seq, 1]
+            first_chunk = seq_info[seq, 2]
+            num_chunks = T.ceildiv(seq_end - seq_start, CHUNK)
+            qk_head = head // (num_v_heads // num_qk_heads)
+            tx = T.get_thread_binding()
+
+            # One if/else chain over the roles (the storage-sync pass sees them as exclusive).
+            if tx >= PRODUCER_THREAD0:
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then P^T
+                p_start = T.alloc_var("int32")
+                for c in T.serial(num_chunks):
+                    p_start = seq_start + c * CHUNK
+                    T.mbarrier_wait_parity(empty[c % stages], ((c // stages) % 2) ^ 1)
+                    T.tma_copy(q[p_start:p_start + CHUNK, qk_head, :], q_s[c % stages, :, :], barrier=loaded[c % stages])
+                    T.tma_copy(k[p_start:p_start + CHUNK, qk_head, :], k_s[c % stages, :, :], barrier=loaded[c % stages])
+                    T.tma_copy(v[p_start:p_start + CHUNK, head, :], v_s[c % stages, :, :], barrier=loaded[c % stages])
+                    T.tma_copy(a_u[first_chunk + c, head, :, :], au_s[c % stages, :, :], barrier=loaded[c % stages])
+                    T.barrier_arrive(loaded[c % stages])
+                    # The factors while the tiles load, then P^T from the q and k tiles.
+                    stage_factors(fac, c % stages, gamma, q_norm_inv, k_norm_inv, first_chunk + c, head, qk_head,
+                                  T.min(seq_end - p_start, CHUNK), scale)
+                    T.mbarrier_wait_parity(loaded[c % stages], (c // stages) % 2)
+                    T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    chunk_pt(pt, pt_s[c % stages, :, :], fac, c % stages)
+                    T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
+                    T.barrier_arrive(full[c % stages])
+            elif tx >= 128:
+                T.set_max_nreg(STATE_REGS, 1)
+                state_warpgroup(1, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
+                                empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
+            else:
+                T.set_max_nreg(STATE_REGS, 1)
+                state_warpgroup(0, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
+                                empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
+
+    return state_output_roles
