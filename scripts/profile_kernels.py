@@ -1,11 +1,13 @@
 """Per-kernel GPU time of one forward or backward call (torch.profiler), for the rows given
 on the command line.
 
-    python3 scripts/profile_kernels.py [--bwd] [--save] 2/8:1x32768 16/64:8192x4
+    python3 scripts/profile_kernels.py [--bwd | --infer] [--save] 2/8:1x32768 16/64:8192x4
 
-The forward is timed through ``chunk_gated_delta_rule_fwd`` (the kernels ``chunk_gated_delta_rule``
-launches, without autograd). ``--save``: with ``save_chunk_states=True`` (the forward that
-writes the chunk states, and the backward that reads them).
+The forward is timed through ``chunk_gated_delta_rule_fwd``: the forward run for a backward, which
+also keeps the chunk inverse A_r (``prepare_wu``'s ``with_inverse`` variant). ``--infer``: the
+inference forward instead, ``chunk_gated_delta_rule`` under ``torch.no_grad`` (A_g only: the
+variant the bench's ``fwd`` mode times). ``--save``: with ``save_chunk_states=True`` (the forward
+that writes the chunk states, and the backward that reads them).
 """
 
 import sys
@@ -13,7 +15,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flash_gdn import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_gdn.bench.rows import parse_lengths
 
 
@@ -32,9 +34,14 @@ def row_inputs(spec: str) -> dict:
     return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu)
 
 
-def row_step(x: dict, backward: bool, save: bool = False):
-    """One call to time on inputs ``x``: the forward, or the backward of a forward run now
-    (under the environment's CP setting at this moment)."""
+def row_step(x: dict, backward: bool, save: bool = False, infer: bool = False):
+    """One call to time on inputs ``x``: the forward (``infer``: the inference forward), or the
+    backward of a forward run now (under the environment's CP setting at this moment)."""
+    if infer:
+        def infer_step():
+            with torch.no_grad():
+                return chunk_gated_delta_rule(**x)
+        return infer_step
     if not backward:
         return lambda: chunk_gated_delta_rule_fwd(**x, save_chunk_states=save)
     _, _, saved = chunk_gated_delta_rule_fwd(**x, save_chunk_states=save)
@@ -42,15 +49,16 @@ def row_step(x: dict, backward: bool, save: bool = False):
     return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
 
 
-def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5) -> None:
-    step = row_step(row_inputs(spec), backward, save)
+def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5, infer: bool = False) -> None:
+    step = row_step(row_inputs(spec), backward, save, infer)
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    print(f"== {spec} {'backward' if backward else 'forward'}{' (saved states)' if save else ''}: per call, us")
+    kind = "backward" if backward else "inference forward" if infer else "forward"
+    print(f"== {spec} {kind}{' (saved states)' if save else ''}: per call, us")
     rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
     for name, us in sorted(rows, key=lambda r: -r[1]):
         print(f"  {us:9.1f}  {name[:90]}")
@@ -59,7 +67,9 @@ def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5) -
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    backward, save = "--bwd" in args, "--save" in args
+    backward, save, infer = "--bwd" in args, "--save" in args, "--infer" in args
+    if infer and (backward or save):
+        sys.exit("--infer times the inference forward: not with --bwd or --save")
     specs = [a for a in args if not a.startswith("--")]
     for spec in specs or ["2/8:1x32768", "16/64:8192x4"]:
-        profile_row(spec, backward, save)
+        profile_row(spec, backward, save, infer=infer)

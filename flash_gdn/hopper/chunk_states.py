@@ -17,10 +17,9 @@ buys parallelism when sequences x heads leave SMs idle (``state_block_v``).
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .state_grads import sequential_stages
 from .tiles import ACCUM, CHUNK, store_chunk_rows
 
@@ -34,7 +33,7 @@ def build_chunk_states(head_k: int, head_v: int, dtype: str, has_initial: bool, 
     return Launcher(_chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, stages))
 
 
-@tilelang.jit
+@jit
 def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

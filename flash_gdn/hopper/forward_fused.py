@@ -38,10 +38,9 @@ register counts.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import (ACCUM, BLOCK, CHUNK, HALF, ROWS, pair_decay, stage_strict_lower, store_chunk_rows,
                     unit_lower_inverse_staged)
 
@@ -126,7 +125,7 @@ def load_chunk(q, k, v, q_s, k_s, v_s, in_full, c, seq_start, qk_head, head):
     T.barrier_arrive(in_full[c % IN_STAGES])
 
 
-@tilelang.jit
+@jit
 def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
     assert head_v == 128, "two state warpgroups of 64 rows of V"
     tokens = T.dynamic("tokens")

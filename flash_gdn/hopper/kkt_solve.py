@@ -18,10 +18,9 @@ Sizes that change from call to call (tokens, chunks) are symbolic: one compile p
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import (BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse,
                     kernel_gate_dtype)
 
@@ -32,7 +31,7 @@ def build_kkt_solve(head_k: int, dtype: str, gate_dtype: str, threads: int = 128
     return Launcher(_kkt_solve_kernel(head_k, dtype, gate_dtype, threads))
 
 
-@tilelang.jit
+@jit
 def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

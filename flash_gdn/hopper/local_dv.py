@@ -17,10 +17,9 @@ head's dO load is issued as soon as the current one's product has read its tile.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 
@@ -29,7 +28,7 @@ def build_local_dv(head_k: int, head_v: int, dtype: str):
     return Launcher(_local_dv_kernel(head_k, head_v, dtype))
 
 
-@tilelang.jit
+@jit
 def _local_dv_kernel(head_k, head_v, dtype, threads=128):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

@@ -18,11 +18,10 @@ Layouts are those of ``planning.ChunkPlan`` and ``planning.SegmentPlan``.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
 from ..planning import WAVE_START_CHUNKS
-from .launch import Launcher
+from .launch import Launcher, jit
 
 CHUNK = 64
 PREFIX_THREADS = 256
@@ -42,7 +41,7 @@ def build_cut_pieces():
     return Launcher(_cut_pieces_kernel())
 
 
-@tilelang.jit
+@jit
 def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
     num_offsets = T.dynamic("num_offsets")
     num_seqs = T.dynamic("num_seqs")
@@ -195,7 +194,7 @@ def _sequence_prefix_kernel(index_dtype, threads=PREFIX_THREADS):
     return sequence_prefix
 
 
-@tilelang.jit
+@jit
 def _cut_pieces_kernel(threads=CUT_THREADS):
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")

@@ -6,7 +6,9 @@ Per chunk and value head (DESIGN section 2), with A_r the gate-free inverse:
     U = A_g V
     W = A_g D K,  i.e.  W = (e^gamma_i A_r[i, j] beta_j) K
 
-so that the state stage only needs V_new = U - W S. Which of them go to HBM depends on the
+so that the state stage only needs V_new = U - W S. (Where A_r is neither kept nor read, the
+forward-only variants, A_g comes from the inverse of the gated matrix instead: the same numbers,
+one pass of exponentials fewer; see ``gated`` below.) Which of them go to HBM depends on the
 caller: the forward's state kernels and the backward's ``chunk_states`` (and the segment
 transitions of context parallelism in both) form U = A_g V themselves from V and A_g (written
 here in the input dtype, ``write_au``; 8 KB per chunk and head instead of U's 16 KB, and this
@@ -30,12 +32,11 @@ several chunks per CTA measured slower: 1 CTA/SM instead of 3; see docs/performa
 import functools
 from typing import NamedTuple
 
-import tilelang
 import tilelang.language as T
 import torch
 
 from ..planning import ChunkPlan, capturing, plan_for
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
@@ -71,10 +72,20 @@ def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, writ
                                        write_bound, read_inverse))
 
 
-@tilelang.jit
+@jit
 def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, write_bound,
                        read_inverse, threads=128):
     assert not (read_inverse and (write_inverse or write_bound)), "A_r is read or made, not both"
+    # Where A_r itself is neither kept nor read (the forward-only variants, which write A_g alone),
+    # the inverse is taken of the gated matrix: I + D L D^-1 = D (I + L) D^-1 with D = diag(e^gamma)
+    # (DESIGN section 2), so its inverse is D A_r D^-1, (e^(gamma_i - gamma_j) A_r[i, j]), and
+    # A_g = (D A_r D^-1) diag(beta). The pair decay's exponentials move into L's pass (where the
+    # elements are scaled anyway) and the pass after the inverse is one multiply by beta_j: the
+    # merges' products are exactly zero above the diagonal (the substitution's columns start at
+    # their diagonal element; the masks keep blocks below it), so no select. D L D^-1 is no
+    # larger than L element by element (exponents <= 0), so its fp16 copy for the merges is no
+    # less accurate.
+    gated = not write_inverse and not read_inverse and not write_w and not write_u
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -216,9 +227,16 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                         kkt[i, j] = kkt[i, j] * (beta_s[i] * k_inv[i] * k_inv[j])
                         largest[0] = T.max(largest[0], kkt[i, j])
                     for i, j in T.Parallel(CHUNK, CHUNK):
-                        kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM))
+                        if gated:
+                            kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                        else:
+                            kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM))
                     if largest[0] > 2:
                         expands[0] = 1
+                elif gated:
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        kkt[i, j] = (T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
+                                     * pair_decay(gamma_s[i], gamma_s[j]))
                 else:
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
@@ -238,8 +256,12 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
                     T.copy(kkt, a_w)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
+                if gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        inv[i, j] = inv[i, j] * beta_s[j]
+                else:
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(inv, a_u)
                 if write_au:  # whole (rows and columns past the chunk's end are zero)
                     T.copy(a_u, a_u_out[chunk_id, head, 0:CHUNK, 0:CHUNK])

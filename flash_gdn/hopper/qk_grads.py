@@ -42,10 +42,9 @@ Rows past the chunk's end are masked (dO, V_new, D, E) and not written.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 
@@ -95,7 +94,7 @@ def _l2_backward_store(grad, tmp, red, dot_s, x_tile, x_inv, normalize, stage, o
     store_chunk_rows(stage, out, start, length, qk_head, 0)
 
 
-@tilelang.jit
+@jit
 def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

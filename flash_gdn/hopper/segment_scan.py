@@ -26,10 +26,9 @@ S_start[s + 1] = h_s: neither M_s's load nor its split nor the products.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, ROWS
 
 BLOCK_COLS = 32
@@ -68,7 +67,7 @@ def _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse):
     T.gemm(m_hi, s_hi, state, transpose_A=reverse, policy=ROWS)
 
 
-@tilelang.jit
+@jit
 def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, truncated, threads=THREADS):
     """Forward: out[first] = init, out[s + 1] = M_s out[s] + off_s (first segment to last).
 

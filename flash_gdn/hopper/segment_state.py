@@ -57,11 +57,10 @@ share an SM; measured against the earlier kernel that staged X and U - W X in sh
 
 import functools
 
-import tilelang
 import tilelang.language as T
 import torch
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .prepare_wu import unused_buffer
 from .tiles import ACCUM, CHUNK, ROWS
 
@@ -97,7 +96,7 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
             a_u if a_u is not None else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
 
 
-@tilelang.jit
+@jit
 def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

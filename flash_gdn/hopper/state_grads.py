@@ -21,10 +21,9 @@ Columns of dS, dO and dV_new go together, so splitting V over CTAs is exact.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 
@@ -50,7 +49,7 @@ def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, block
     return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, stages))
 
 
-@tilelang.jit
+@jit
 def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

@@ -29,10 +29,9 @@ which then skips its own recomputation (``chunk_states``).
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 
@@ -44,7 +43,7 @@ def build_state_output(head_k: int, head_v: int, dtype: str, has_initial: bool, 
     return Launcher(_state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages, in_place))
 
 
-@tilelang.jit
+@jit
 def _state_output_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages, in_place=False):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

@@ -32,10 +32,9 @@ not; ptxas (CUDA 13.0, sm_90a) reports no spills in either role.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 THREADS = 384
@@ -155,7 +154,7 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s,
         final_state[seq, head, i, v0 + vr] = state_t[vr, i]
 
 
-@tilelang.jit
+@jit
 def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
     tokens = T.dynamic("tokens")

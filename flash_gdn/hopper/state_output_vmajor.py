@@ -53,10 +53,9 @@ The saved-state mode (``save_chunk_states``, which also writes h and V_new) runs
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 # ROWS: every warpgroup owns 64 rows of V in all register-operand products (its rows of S^T stay its own).
 from .tiles import ACCUM, CHUNK, ROWS, store_chunk_rows
 
@@ -89,7 +88,7 @@ def build_state_output_vmajor(head_k: int, head_v: int, dtype: str, has_initial:
                                                 in_place))
 
 
-@tilelang.jit
+@jit
 def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages, split_v=False, in_place=False):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

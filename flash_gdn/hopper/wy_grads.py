@@ -19,10 +19,9 @@ It also zeroes dg, which ``qk_grads`` then adds to (two atomic adds per element)
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from .launch import Launcher
+from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, HALF, pair_decay, store_chunk_rows
 
 
@@ -31,7 +30,7 @@ def build_wy_grads(head_k: int, head_v: int, dtype: str, gate_dtype: str):
     return Launcher(_wy_grads_kernel(head_k, head_v, dtype, gate_dtype))
 
 
-@tilelang.jit
+@jit
 def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")

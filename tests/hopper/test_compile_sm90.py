@@ -104,6 +104,25 @@ def test_chunk_parallel_grads_ask_for_two_ctas_per_sm(name):
         assert source.count("tl::tma_store(") >= 2
 
 
+def _assemble(source: str, tmp_path, *extra: str):
+    """nvcc on a kernel's generated CUDA with the flags TileLang compiles it with here
+    (``launch.COMPILE_FLAGS``), to an object file; the completed process (ptxas's report in stderr)."""
+    import subprocess
+
+    from flash_gdn.hopper.launch import COMPILE_FLAGS
+
+    root = tilelang.__path__[0]
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    out = subprocess.run(
+        ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{root}/src",
+         f"-I{root}/3rdparty/cutlass/include", *COMPILE_FLAGS, *extra, "-c", str(path), "-o", str(tmp_path / "kernel.o")],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 SERIALISATION_WARNINGS = ("C7512", "C7514", "C7515")  # ptxas: "wgmma.mma_async instructions are serialized"
 
 
@@ -117,21 +136,11 @@ def test_ptxas_keeps_wgmma_asynchronous(name, tmp_path):
     wgmma of the kernel, which undoes the asynchronous issue, and only says so in a warning
     (pairing wy_grads' products at its 128-register cap did this). The kernels that issue
     products asynchronously are assembled here and the warning is an error."""
-    import subprocess
-
     from tilelang import tvm
 
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
         source = VARIANTS[name]().get_kernel_source()
-    root = tilelang.__path__[0]
-    path = tmp_path / "kernel.cu"
-    path.write_text(source)
-    out = subprocess.run(
-        ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{root}/src",
-         f"-I{root}/3rdparty/cutlass/include", "-Xptxas", "-v", "-c", str(path), "-o", str(tmp_path / "kernel.o")],
-        capture_output=True, text=True,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _assemble(source, tmp_path, "-Xptxas", "-v")
     serialised = [line for line in out.stderr.splitlines() if any(w in line for w in SERIALISATION_WARNINGS)]
     assert not serialised, f"{name}: {serialised}"
     if name.startswith(("forward_fused", ROLES_KERNEL)):
@@ -143,3 +152,35 @@ def test_ptxas_keeps_wgmma_asynchronous(name, tmp_path):
         assert f"Used {module.THREAD_REGS} registers" in out.stderr, out.stderr[-2000:]
         if module is state_output_roles:  # (the opt-in forward_fused spills today)
             assert "0 bytes spill stores" in out.stderr, out.stderr[-2000:]
+
+
+def test_exponentials_flush_denormals(tmp_path):
+    """Every kernel compiles with -ftz=true (``launch.COMPILE_FLAGS``): an exponential is then one
+    multiply and MUFU.EX2 in the PTX's ex2.approx.ftz, without the denormal range fix-up of the
+    non-ftz form. Pinned on the forward's prepare_wu, whose exponentials are 32 a thread."""
+    from tilelang import tvm
+
+    from flash_gdn.hopper import prepare_wu
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        kernel = prepare_wu.build_prepare_wu(128, 128, "bfloat16", "float32", *prepare_wu.FORWARD_OUTPUTS)
+    _assemble(kernel.get_kernel_source(), tmp_path, "-ptx")
+    ptx = (tmp_path / "kernel.o").read_text()  # (-ptx: the "object" is the PTX)
+    assert "ex2.approx.ftz.f32" in ptx
+    assert "ex2.approx.f32" not in ptx
+
+
+@pytest.mark.parametrize("outputs", ["FORWARD_OUTPUTS", "FORWARD_CP_OUTPUTS"])
+def test_forward_prepare_inverts_the_gated_matrix(outputs):
+    """The forward-only prepare_wu variants (A_r neither kept nor read) take the inverse of the
+    gated L, so the pair decay's exponentials are in L's pass, before the substitution, and the
+    pass after the merges has none: A_g = inv diag(beta)."""
+    from tilelang import tvm
+
+    from flash_gdn.hopper import prepare_wu
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = prepare_wu.build_prepare_wu(128, 128, "bfloat16", "float32", *getattr(prepare_wu, outputs)).get_kernel_source()
+    substitution = source.index("* column[j]")  # the diagonal blocks' substitution (its chain)
+    assert source.count("__expf(") > 0
+    assert source.rindex("__expf(") < substitution, "an exponential after the inverse"
