@@ -22,7 +22,9 @@ put the output tile and its two barriers at 0.70 of the kernel's 2.75 us a chunk
 - each state warpgroup (0: V rows 0-63, 1: 64-127) runs the rest of the chunk on its own and
   writes its own output tile of 64 columns, stored by its own TMA store. Its only barriers are
   its own 128 threads' (named barriers TileLang numbers per role, and ``O_BARRIER + wg`` before
-  the output tile is rewritten).
+  the output tile is rewritten). The tile is written from O^T's accumulator by transposing
+  stmatrix (``STORE_OT_PRELUDE``, a device function in the kernel's prelude: TileLang's own copy
+  does not transpose into it).
 
 Registers: 168 a thread at launch (64K / 384), then 208 for each state thread and 88 for the
 producer (setmaxnreg; 2 x 128 x 208 + 128 x 88 = 168 x 384): the producer now holds a 64 x 64
@@ -33,6 +35,7 @@ not; ptxas (CUDA 13.0, sm_90a) reports no spills in either role.
 import functools
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, store_chunk_rows
@@ -50,6 +53,46 @@ O_BARRIER = 12  # named barrier of warpgroup w before its output tile is rewritt
 # (S^T Q^T's), e^(gamma_C - gamma) r masked past the end (V_new^T's in the update), e^gamma_C.
 F_GAMMA, F_KINV, F_QCOL, F_W, F_Q, F_K, F_DECAY = range(7)
 NUM_FACTORS = 7
+
+
+# O^T (a state warpgroup's 64 x 64 fp32 wgmma accumulator: rows V, columns tokens) into its output
+# tile o_s[token, v] (16-bit, rows of 128 bytes, 128-byte swizzle: the 16-byte chunk c of row r at
+# c ^ (r % 8), TileLang's layout for the tile's TMA store, pinned by ``annotate_layout``) with
+# transposing stmatrix: 4 instructions a thread instead of 32 two-byte stores. In the accumulator,
+# thread l of warp w holds, for each 8-column block n and half h, the pair (row 16 w + 8 h + l / 4,
+# columns 8 n + 2 (l % 4) + {0, 1}) at acc[4 n + 2 h + {0, 1}]: one register of an 8 x 8 matrix
+# in stmatrix's layout; .trans stores that matrix's column t (8 rows of V) as row 8 n + t of the
+# tile, at columns 16 w + 8 h to + 7, from the address lane 8 j + t gives for matrix j.
+STORE_OT_PRELUDE = r"""
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+template <typename Pair, Pair (*pack)(float, float)>
+__device__ __forceinline__ void flash_gdn_store_ot_trans(const float* acc, void* tile) {
+  const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, j = lane / 8, r = lane % 8;
+  char* base = static_cast<char*>(tile);
+  #pragma unroll
+  for (int n = 0; n < 8; n += 2) {
+    uint32_t reg[4];
+    #pragma unroll
+    for (int m = 0; m < 4; ++m) {  // matrix m: half m % 2, column block n + m / 2
+      const int k = 4 * (n + m / 2) + 2 * (m % 2);
+      Pair pair = pack(acc[k], acc[k + 1]);
+      reg[m] = *reinterpret_cast<uint32_t*>(&pair);
+    }
+    const int row = 8 * (n + j / 2) + r, chunk = (2 * w + j % 2) ^ r;
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(base + row * 128 + chunk * 16));
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(reg[0]), "r"(reg[1]), "r"(reg[2]), "r"(reg[3]) : "memory");
+  }
+}
+__device__ __forceinline__ void flash_gdn_store_ot_trans_bfloat16(const float* acc, void* tile) {
+  flash_gdn_store_ot_trans<__nv_bfloat162, __floats2bfloat162_rn>(acc, tile);
+}
+__device__ __forceinline__ void flash_gdn_store_ot_trans_float16(const float* acc, void* tile) {
+  flash_gdn_store_ot_trans<__half2, __floats2half2_rn>(acc, tile);
+}
+"""
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,8 +189,8 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s,
         # this warpgroup's barrier the other 127.
         T.tma_store_wait(0)
         T.sync_threads(O_BARRIER + wg, 128)
-        for vr, i in T.Parallel(WG_ROWS, CHUNK):
-            o_s[i, vr] = out_t[vr, i]
+        # (o_s's write access: TileLang's sync pass then puts this warpgroup's barrier before the TMA store)
+        T.call_extern("handle", f"flash_gdn_store_ot_trans_{dtype}", out_t.data, o_s.access_ptr("w"))
         store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
     T.tma_store_wait(0)
     for vr, i in T.Parallel(WG_ROWS, head_k):
@@ -181,7 +224,7 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
         o: T.Tensor((tokens, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
-        with T.Kernel(num_seqs, num_v_heads, threads=THREADS) as (seq, head):
+        with T.Kernel(num_seqs, num_v_heads, threads=THREADS, prelude=STORE_OT_PRELUDE) as (seq, head):
             q_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             v_s = T.alloc_shared((stages, CHUNK, head_v), dtype)
@@ -191,6 +234,7 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
             # Each state warpgroup's own output tile.
             o_s0 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
             o_s1 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
+            T.annotate_layout({o_s0: make_swizzled_layout(o_s0), o_s1: make_swizzled_layout(o_s1)})
             # loaded: the TMA tiles (the producer's own wait); full: the tiles, the factors and P^T.
             loaded = T.alloc_barrier([128] * stages)
             full = T.alloc_barrier([128] * stages)

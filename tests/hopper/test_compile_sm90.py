@@ -74,6 +74,28 @@ def test_roles_hand_stages_back_only_after_their_products(name):
     assert lines[full[0] - 1] == "tl::fence_proxy_async();", lines[full[0] - 1]
 
 
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith(ROLES_KERNEL)))
+def test_roles_output_tile_is_written_before_its_store(name):
+    """Each state warpgroup writes its output tile by transposing stmatrix in a device function
+    TileLang does not see into (``STORE_OT_PRELUDE``); the call passes the tile as a write access,
+    so the sync pass puts the warpgroup's 128-thread barrier between the call and the TMA store
+    that reads the tile. Pin that barrier, the conversion for the variant's dtype, and the tile's
+    128-byte swizzle that the device function assumes (the TMA store's layout)."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    dtype = "bfloat16" if "bfloat16" in name else "float16"
+    lines = [line.strip() for line in source.splitlines()]
+    calls = [i for i, line in enumerate(lines) if line.startswith("flash_gdn_store_ot_trans_")]
+    assert len(calls) == 2 and all(lines[i].startswith(f"flash_gdn_store_ot_trans_{dtype}(") for i in calls)
+    for i in calls:
+        store = next(k for k in range(i, len(lines)) if lines[k].startswith("tl::tma_store(o_desc"))
+        assert any(line.startswith("tl::__sync_thread_partial(") for line in lines[i + 1:store]), lines[i:store]
+    # the partial-chunk store reads the tile back with the same swizzle: chunk (c ^ row % 8)
+    assert "((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8)" in source
+
+
 @pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("state_output_vmajor")))
 def test_vmajor_state_is_a_register_operand(name):
     """The V-major forward feeds its state to wgmma from registers (wgmma with an RS operand)
