@@ -25,6 +25,10 @@ Variants:
   state are compared with ``full``'s on the same inputs.
 - ``roles_no_pt``, ``roles_no_store``: ``roles`` without P^T (neither the producer's K Q^T and
   pass nor the state warpgroups' V_new^T P^T), or without the output tiles and their stores.
+- ``roles_no_kq``, ``roles_no_pass``, ``roles_idle_producer`` (s36): the producer without its K Q^T
+  product, without the masked and scaled pass over it (K Q^T stored as it is), or without both
+  and P^T's store (the state warpgroups still issue V_new^T P^T, on a stale tile): whether the
+  producer's own work per chunk sets the state warpgroups' pace.
 
 Rows: a list of [Hqk, Hv, sequences, length] (default: 8/32 x 8192x4, 16/64 x 8192x4,
 2/8 x 8192x16).
@@ -39,7 +43,8 @@ import torch
 from kernel_probe import call_time_us, patched_module
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_output_vmajor.py")
-VARIANTS = ("full", "chain", "no_pt", "no_store", "no_tma_store", "o_double", "roles", "roles_no_pt", "roles_no_store")
+VARIANTS = ("full", "chain", "no_pt", "no_store", "no_tma_store", "o_double", "roles", "roles_no_pt", "roles_no_store",
+            "roles_no_kq", "roles_no_pass", "roles_idle_producer")
 ROLES_SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_output_roles.py")
 _ROLES_BODY = " " * 8  # state_warpgroup's chunk loop
 _BODY = " " * 16  # the chunk loop's body
@@ -104,8 +109,18 @@ def patched_roles_source(variant: str) -> str:
         producer = " " * 20  # the producer's chunk loop
         s = _replace(s, producer + "T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, "
                      "clear_accum=True)\n" + producer + "T.wait_wgmma(0)\n"
-                     + producer + "chunk_pt(pt, pt_s[c % stages, :, :], fac, c % stages)\n", "")
+                     + producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n", "")
         s = _replace(s, b + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
+    producer = " " * 20  # the producer's chunk loop
+    kq = (producer + "T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)\n"
+          + producer + "T.wait_wgmma(0)\n")
+    if variant in ("roles_no_kq", "roles_idle_producer"):
+        s = _replace(s, kq, "")
+    if variant == "roles_no_pass":
+        s = _replace(s, producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n",
+                     producer + "T.copy(pt, pt_s[c % stages, :, :])\n")
+    if variant == "roles_idle_producer":  # P^T neither formed nor stored: the state warpgroups read a stale tile
+        s = _replace(s, producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n", "")
     if variant == "roles_no_store":
         start = s.index(b + "T.tma_store_wait(0)\n")
         end = s.index(b + "store_chunk_rows(o_s, o, start, length, head, v0, wait=False)\n")
@@ -117,7 +132,7 @@ def compiled(variant: str, number: int):
     """The kernel (bf16, K = V = 128, no initial state, form_w, unsplit) from a patched copy."""
     if variant.startswith("roles"):
         module = patched_module(patched_roles_source(variant), f"state_output_probe_{number}")
-        return module._state_output_roles_kernel(128, 128, "bfloat16", False, 2)
+        return module._state_output_roles_kernel(128, 128, "bfloat16", False, module.STAGES)
     return patched_module(patched_source(variant), f"state_output_probe_{number}")._state_output_vmajor_kernel(
         128, 128, "bfloat16", False, True, 2, False, False)
 

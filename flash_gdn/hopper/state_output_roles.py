@@ -12,13 +12,13 @@ the loop (P^T, the column factors, the output tile) gets a barrier of all 256 co
 so both state warpgroups line up several times a chunk; the probe of s33 (docs/performance.md)
 put the output tile and its two barriers at 0.70 of the kernel's 2.75 us a chunk. Here:
 
-- the producer (warpgroup 2) issues each chunk's q, k, v and A_g tiles by TMA into one of
-  ``stages`` buffers (its own ``loaded`` barrier), computes the chunk's column factors into the
-  same stage (plain loads of gamma and the inverse norms), then P^T: K Q^T on the tensor cores,
-  masked and scaled (``chunk_pt``), into the stage's shared P^T tile. It runs a stage ahead of
-  the state warpgroups, so none of this is on their chain. ``full`` (its 128 threads, after a
-  proxy fence for P^T's generic stores) and ``empty`` (the 256 state threads) hand a stage over
-  and back; arrivals do not make the state warpgroups wait for each other.
+- the producer (warpgroup 2) issues each chunk's q, k, v and A_g tiles and its rows of gamma and
+  the inverse norms by TMA into one of ``stages`` buffers (its own ``loaded`` barrier), a chunk
+  before it needs them; then computes the chunk's column factors into the same stage, and P^T:
+  K Q^T on the tensor cores, masked and scaled (``chunk_pt``), into the stage's shared P^T tile.
+  It runs ahead of the state warpgroups, so none of this is on their chain. ``full`` (its 128
+  threads, after a proxy fence for P^T's generic stores) and ``empty`` (the 256 state threads)
+  hand a stage over and back; arrivals do not make the state warpgroups wait for each other.
 - each state warpgroup (0: V rows 0-63, 1: 64-127) runs the rest of the chunk on its own and
   writes its own output tile of 64 columns, stored by its own TMA store. Its only barriers are
   its own 128 threads' (named barriers TileLang numbers per role, and ``O_BARRIER + wg`` before
@@ -48,11 +48,18 @@ STATE_REGS = 208
 PRODUCER_REGS = 88
 assert 2 * 128 * STATE_REGS + 128 * PRODUCER_REGS <= THREAD_REGS * THREADS
 O_BARRIER = 12  # named barrier of warpgroup w before its output tile is rewritten: O_BARRIER + w
-# Rows of the staged column factors (``fac``): gamma and the inverse key norms (P^T's row and
-# column factors), scale r_q (P^T's columns), -e^gamma r (S^T K^T's columns), scale e^gamma r_q
-# (S^T Q^T's), e^(gamma_C - gamma) r masked past the end (V_new^T's in the update), e^gamma_C.
-F_GAMMA, F_KINV, F_QCOL, F_W, F_Q, F_K, F_DECAY = range(7)
-NUM_FACTORS = 7
+# Rows of the staged column factors (``fac``): gamma, the inverse key norms r and the inverse query
+# norms r_q (F_GAMMA, F_KINV, F_QINV: by TMA with the tiles); P^T's factors as base-2 exponents
+# (``chunk_pt``), a_i = log2(e) gamma_i + log2(scale r_q,i) for its columns (F_PCOL) and
+# b_j = log2(e) gamma_j - log2(r_j) for its rows (F_PROW); -e^gamma r (S^T K^T's columns), scale
+# e^gamma r_q (S^T Q^T's), e^(gamma_C - gamma) r masked past the end (V_new^T's in the update),
+# e^gamma_C.
+F_GAMMA, F_KINV, F_PCOL, F_W, F_Q, F_K, F_DECAY, F_QINV, F_PROW = range(9)
+NUM_FACTORS = 9
+LOG2E = 1.4426950408889634
+# The producer issues a chunk's loads one chunk ahead of forming its P^T, so a stage is refilled
+# while the state warpgroups still read two others: at least three stages (see the kernel).
+STAGES = 3
 
 
 # O^T (a state warpgroup's 64 x 64 fp32 wgmma accumulator: rows V, columns tokens) into its output
@@ -86,6 +93,35 @@ __device__ __forceinline__ void flash_gdn_store_ot_trans(const float* acc, void*
                  :: "r"(addr), "r"(reg[0]), "r"(reg[1]), "r"(reg[2]), "r"(reg[3]) : "memory");
   }
 }
+// P^T (the producer's 64 x 64 fp32 accumulator: rows j, columns i, the same fragment layout) into
+// its stage's tile pt_s[j, i] as it is, with plain stmatrix: matrix m of each x4 is half m % 2 and
+// column block n + m / 2, whose row r lane 8 m + r addresses: row 16 w + 8 (m % 2) + r, 16-byte
+// chunk (n + m / 2) ^ r of the same 128-byte swizzle.
+template <typename Pair, Pair (*pack)(float, float)>
+__device__ __forceinline__ void flash_gdn_store_acc(const float* acc, void* tile) {
+  const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, j = lane / 8, r = lane % 8;
+  char* base = static_cast<char*>(tile);
+  #pragma unroll
+  for (int n = 0; n < 8; n += 2) {
+    uint32_t reg[4];
+    #pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int k = 4 * (n + m / 2) + 2 * (m % 2);
+      Pair pair = pack(acc[k], acc[k + 1]);
+      reg[m] = *reinterpret_cast<uint32_t*>(&pair);
+    }
+    const int row = 16 * w + 8 * (j % 2) + r, chunk = (n + j / 2) ^ r;
+    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(base + row * 128 + chunk * 16));
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(reg[0]), "r"(reg[1]), "r"(reg[2]), "r"(reg[3]) : "memory");
+  }
+}
+__device__ __forceinline__ void flash_gdn_store_acc_bfloat16(const float* acc, void* tile) {
+  flash_gdn_store_acc<__nv_bfloat162, __floats2bfloat162_rn>(acc, tile);
+}
+__device__ __forceinline__ void flash_gdn_store_acc_float16(const float* acc, void* tile) {
+  flash_gdn_store_acc<__half2, __floats2half2_rn>(acc, tile);
+}
 __device__ __forceinline__ void flash_gdn_store_ot_trans_bfloat16(const float* acc, void* tile) {
   flash_gdn_store_ot_trans<__nv_bfloat162, __floats2bfloat162_rn>(acc, tile);
 }
@@ -96,37 +132,60 @@ __device__ __forceinline__ void flash_gdn_store_ot_trans_float16(const float* ac
 
 
 @functools.lru_cache(maxsize=None)
-def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = 2):
+def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = STAGES):
     """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True)``
     (W is not read); V = 128 only."""
     return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages))
 
 
 @T.macro
-def stage_factors(fac, stage, gamma, q_norm_inv, k_norm_inv, chunk, head, qk_head, length, scale):
-    """The column factors of a chunk (``length`` rows, > 0) into ``fac[stage]`` (rows F_*). Every
-    exponent is <= 0 (gamma is a decreasing cumsum, constant past the end)."""
-    for i in T.Parallel(CHUNK):
-        fac[stage, F_GAMMA, i] = gamma[head, chunk, i]
-        fac[stage, F_KINV, i] = k_norm_inv[qk_head, chunk, i]
-        fac[stage, F_QCOL, i] = scale * q_norm_inv[qk_head, chunk, i]
-        fac[stage, F_W, i] = -T.__exp(gamma[head, chunk, i]) * k_norm_inv[qk_head, chunk, i]
-        fac[stage, F_Q, i] = T.__exp(gamma[head, chunk, i]) * scale * q_norm_inv[qk_head, chunk, i]
-        fac[stage, F_K, i] = T.if_then_else(
-            i < length, T.__exp(gamma[head, chunk, length - 1] - gamma[head, chunk, i]) * k_norm_inv[qk_head, chunk, i],
-            T.cast(0, ACCUM))
-        fac[stage, F_DECAY, i] = T.__exp(gamma[head, chunk, length - 1])  # read at 0
+def load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded, stage, start, chunk,
+               head, qk_head):
+    """A chunk's tiles and its rows of gamma and the inverse norms (``fac[stage]`` rows F_GAMMA,
+    F_KINV, F_QINV) by TMA, on ``loaded[stage]``. Rows past a sequence's end are in bounds: the
+    tiles' are the next sequence's (masked by the factors) or clipped, and the per-chunk rows are
+    always 64 long."""
+    T.tma_copy(q[start:start + CHUNK, qk_head, :], q_s[stage, :, :], barrier=loaded[stage])
+    T.tma_copy(k[start:start + CHUNK, qk_head, :], k_s[stage, :, :], barrier=loaded[stage])
+    T.tma_copy(v[start:start + CHUNK, head, :], v_s[stage, :, :], barrier=loaded[stage])
+    T.tma_copy(a_u[chunk, head, :, :], au_s[stage, :, :], barrier=loaded[stage])
+    T.tma_copy(gamma[head, chunk, 0:CHUNK], fac[stage, F_GAMMA, :], barrier=loaded[stage])
+    T.tma_copy(k_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, F_KINV, :], barrier=loaded[stage])
+    T.tma_copy(q_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, F_QINV, :], barrier=loaded[stage])
+    T.barrier_arrive(loaded[stage])
 
 
 @T.macro
-def chunk_pt(pt, pt_s, fac, stage):
+def stage_factors(fac, stage, length, scale):
+    """The column factors of a chunk (``length`` rows, > 0) into ``fac[stage]`` (rows F_*), from
+    its rows of gamma and the inverse norms loaded there. Every exponent is <= 0 (gamma is a
+    decreasing cumsum, constant past the end)."""
+    for i in T.Parallel(CHUNK):
+        fac[stage, F_PCOL, i] = LOG2E * fac[stage, F_GAMMA, i] + T.__log2(scale * fac[stage, F_QINV, i])
+        fac[stage, F_PROW, i] = LOG2E * fac[stage, F_GAMMA, i] - T.__log2(fac[stage, F_KINV, i])
+        fac[stage, F_W, i] = -T.__exp(fac[stage, F_GAMMA, i]) * fac[stage, F_KINV, i]
+        fac[stage, F_Q, i] = T.__exp(fac[stage, F_GAMMA, i]) * scale * fac[stage, F_QINV, i]
+        fac[stage, F_K, i] = T.if_then_else(
+            i < length, T.__exp(fac[stage, F_GAMMA, length - 1] - fac[stage, F_GAMMA, i]) * fac[stage, F_KINV, i],
+            T.cast(0, ACCUM))
+        fac[stage, F_DECAY, i] = T.__exp(fac[stage, F_GAMMA, length - 1])  # read at 0
+
+
+@T.macro
+def chunk_pt(pt, pt_s, fac, stage, dtype):
     """P^T[j, i] = scale e^(gamma_i - gamma_j) r_q[i] r_k[j] (K Q^T)[j, i] for i >= j, from the
     K Q^T accumulator ``pt`` to ``pt_s`` (the B operand of V_new^T P^T), factors from
-    ``fac[stage]``. Branch-free: the exponent is clamped to <= 0 and the causal mask multiplies."""
+    ``fac[stage]``: the three factors are one power of two, 2^(a_i - b_j) (``stage_factors``), so
+    each element is a subtraction, an exponential, a multiply and a select. Where i >= j the
+    exponent is at most log2(scale r_q r_k) (gamma does not increase), where i < j it may
+    overflow to inf, which the select drops."""
     for j, i in T.Parallel(CHUNK, CHUNK):
-        pt[j, i] = (pt[j, i] * T.__exp(T.min(fac[stage, F_GAMMA, i] - fac[stage, F_GAMMA, j], T.cast(0, ACCUM)))
-                    * fac[stage, F_QCOL, i] * fac[stage, F_KINV, j] * T.cast(i >= j, ACCUM))
-    T.copy(pt, pt_s)
+        pt[j, i] = T.if_then_else(i >= j, pt[j, i] * T.exp2(fac[stage, F_PCOL, i] - fac[stage, F_PROW, j]),
+                                  T.cast(0, ACCUM))
+    # Into the stage's tile by stmatrix (``flash_gdn_store_acc``): 4 instructions a thread, not 16
+    # stores; the write access makes TileLang's sync pass order it after the tile's earlier reads.
+    T.call_extern("handle", f"flash_gdn_store_acc_{dtype}", pt.data,
+                  pt_s.access_ptr("w", offset=stage * CHUNK * CHUNK, extent=CHUNK * CHUNK))
 
 
 @T.macro
@@ -200,6 +259,7 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s,
 @jit
 def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
+    assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -256,22 +316,25 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
             if tx >= PRODUCER_THREAD0:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then P^T
-                p_start = T.alloc_var("int32")
+                # Chunk c's loads go out before chunk c - 1's P^T is formed (the loop below issues
+                # c + 1's first), so their latency is not on the producer's path: it waited for each
+                # chunk's tiles and factor rows before (s36: the state warpgroups then waited for the
+                # producer ~20 % of their time, ncu's stall samples). Stage (c + 1) % stages is free
+                # once the state warpgroups are done with chunk c + 1 - stages, i.e. with three stages
+                # while they work on chunk c - 1.
+                if num_chunks > 0:
+                    load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded, 0,
+                               seq_start, first_chunk, head, qk_head)
                 for c in T.serial(num_chunks):
-                    p_start = seq_start + c * CHUNK
-                    T.mbarrier_wait_parity(empty[c % stages], ((c // stages) % 2) ^ 1)
-                    T.tma_copy(q[p_start:p_start + CHUNK, qk_head, :], q_s[c % stages, :, :], barrier=loaded[c % stages])
-                    T.tma_copy(k[p_start:p_start + CHUNK, qk_head, :], k_s[c % stages, :, :], barrier=loaded[c % stages])
-                    T.tma_copy(v[p_start:p_start + CHUNK, head, :], v_s[c % stages, :, :], barrier=loaded[c % stages])
-                    T.tma_copy(a_u[first_chunk + c, head, :, :], au_s[c % stages, :, :], barrier=loaded[c % stages])
-                    T.barrier_arrive(loaded[c % stages])
-                    # The factors while the tiles load, then P^T from the q and k tiles.
-                    stage_factors(fac, c % stages, gamma, q_norm_inv, k_norm_inv, first_chunk + c, head, qk_head,
-                                  T.min(seq_end - p_start, CHUNK), scale)
+                    if c + 1 < num_chunks:
+                        T.mbarrier_wait_parity(empty[(c + 1) % stages], (((c + 1) // stages) % 2) ^ 1)
+                        load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded,
+                                   (c + 1) % stages, seq_start + (c + 1) * CHUNK, first_chunk + c + 1, head, qk_head)
                     T.mbarrier_wait_parity(loaded[c % stages], (c // stages) % 2)
+                    stage_factors(fac, c % stages, T.min(seq_end - seq_start - c * CHUNK, CHUNK), scale)
                     T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    chunk_pt(pt, pt_s[c % stages, :, :], fac, c % stages)
+                    chunk_pt(pt, pt_s, fac, c % stages, dtype)
                     T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
                     T.barrier_arrive(full[c % stages])
             elif tx >= 128:

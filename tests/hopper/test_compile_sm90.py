@@ -96,6 +96,31 @@ def test_roles_output_tile_is_written_before_its_store(name):
     assert "((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8)" in source
 
 
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith(ROLES_KERNEL)))
+def test_roles_producer_loads_a_chunk_ahead_and_stores_pt_by_stmatrix(name):
+    """The roles kernel's producer (s36) issues chunk c + 1's TMA loads (tiles and factor rows,
+    into stage (c + 1) % 3 once ``empty`` frees it) before it waits for chunk c's and forms its
+    P^T; P^T goes to its stage's tile by plain stmatrix (``flash_gdn_store_acc``) behind the
+    producer's barrier and before its proxy fence; the pass over K Q^T is one exponential of a
+    difference of base-2 exponents per element (no exp(min(.)) with a multiplied mask)."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    dtype = "bfloat16" if "bfloat16" in name else "float16"
+    lines = [line.strip() for line in source.splitlines()]
+    loop = next(i for i, line in enumerate(lines) if line.startswith("for (int c = 0; c < num_chunks; ++c)"))
+    next_empty = next(i for i in range(loop, len(lines)) if lines[i].startswith("empty[((c + 1) % 3)].wait("))
+    next_loads = [i for i in range(loop, len(lines)) if "tl::tma_load(" in lines[i] and "((c + 1) % 3)" in lines[i]]
+    this_wait = next(i for i in range(loop, len(lines)) if lines[i].startswith("loaded[(c % 3)].wait("))
+    assert len(next_loads) == 7 and next_empty < min(next_loads) and max(next_loads) < this_wait
+    store = next(i for i in range(this_wait, len(lines)) if lines[i].startswith("flash_gdn_store_acc_"))
+    assert lines[store].startswith(f"flash_gdn_store_acc_{dtype}(pt, ")
+    assert lines[store - 1].startswith("tl::__sync_thread_partial(") and lines[store + 1] == "tl::fence_proxy_async();"
+    pass_lines = "\n".join(lines[this_wait:store])
+    assert "exp2f(" in pass_lines and "min(" not in pass_lines.split("tl::wait_wgmma<0>();")[-1]
+
+
 @pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("state_output_vmajor")))
 def test_vmajor_state_is_a_register_operand(name):
     """The V-major forward feeds its state to wgmma from registers (wgmma with an RS operand)
