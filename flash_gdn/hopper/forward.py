@@ -58,9 +58,9 @@ def use_state_roles(cp: bool, split: bool, dv: int) -> bool:
     """Whether the output kernel is ``state_output_roles`` (explicit warpgroup roles: P^T formed by
     the producer, no barrier across the state warpgroups; forward kernel time -3 to -11 % where
     it runs, H200, in-process A/B, docs/performance.md s34) rather than ``state_output_vmajor``:
-    V = 128, without CP and without the split output kernel. ``FLASH_GDN_STATE_ROLES=0`` keeps
-    the V-major kernel."""
-    return not cp and not split and dv == 128 and env_get("FLASH_GDN_STATE_ROLES", "1") != "0"
+    V = 128, without the split output kernel; with CP too (in place over the segment states,
+    s36). ``FLASH_GDN_STATE_ROLES=0`` keeps the V-major kernel."""
+    return not split and dv == 128 and env_get("FLASH_GDN_STATE_ROLES", "1") != "0"
 
 
 def fused_opted_in() -> bool:
@@ -99,8 +99,8 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
         # 6.1 vs 6.9 us per chunk, H200)
         output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv, in_place=cp)  # noqa: E731
-    elif roles:  # the same products, explicit warpgroup roles (no CP, not split)
-        output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0)  # noqa: E731
+    elif roles:  # the same products, explicit warpgroup roles (not split; in place with CP)
+        output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0, in_place=cp)  # noqa: E731
     else:  # the state as a register operand; W S formed from K and A_g (W is not written)
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, True, split_v=split,  # noqa: E731
                                                    in_place=cp)

@@ -132,10 +132,14 @@ __device__ __forceinline__ void flash_gdn_store_ot_trans_float16(const float* ac
 
 
 @functools.lru_cache(maxsize=None)
-def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = STAGES):
-    """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True)``
-    (W is not read); V = 128 only."""
-    return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages))
+def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = STAGES,
+                             in_place: bool = False):
+    """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True,
+    in_place=in_place)`` (W is not read); V = 128 only. ``in_place`` (context parallelism): the
+    segments' start states are read from and their end states written to one buffer (each state
+    thread reads exactly the elements it writes at the end), value heads on grid x and segments
+    on y, and a segment without tokens neither loads nor stores its state."""
+    return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_place))
 
 
 @T.macro
@@ -189,7 +193,7 @@ def chunk_pt(pt, pt_s, fac, stage, dtype):
 
 
 @T.macro
-def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s, full, empty,
+def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s, full, empty,
                     initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks):
     """One state warpgroup's whole sequence: S^T of its 64 rows of V in registers (bf16 copy the
     A operand), the output of those rows through its own tile ``o_s``."""
@@ -206,8 +210,9 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s,
     length = T.alloc_var("int32")
     decay = T.alloc_var(ACCUM)
     if has_initial:
-        for vr, i in T.Parallel(WG_ROWS, head_k):
-            state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
+        if (seq_end > seq_start) if in_place else True:  # (in place: an empty segment keeps its state)
+            for vr, i in T.Parallel(WG_ROWS, head_k):
+                state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
     else:
         T.clear(state_t)
     for c in T.serial(num_chunks):
@@ -252,12 +257,13 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s,
         T.call_extern("handle", f"flash_gdn_store_ot_trans_{dtype}", out_t.data, o_s.access_ptr("w"))
         store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
     T.tma_store_wait(0)
-    for vr, i in T.Parallel(WG_ROWS, head_k):
-        final_state[seq, head, i, v0 + vr] = state_t[vr, i]
+    if (seq_end > seq_start) if in_place else True:
+        for vr, i in T.Parallel(WG_ROWS, head_k):
+            final_state[seq, head, i, v0 + vr] = state_t[vr, i]
 
 
 @jit
-def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
+def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_place=False):
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
     assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
     tokens = T.dynamic("tokens")
@@ -267,6 +273,9 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
     num_chunks_total = T.dynamic("num_chunks")
     w_tokens = T.dynamic("w_tokens")  # W is not read (the signature is state_output_vmajor's)
     w_heads = T.dynamic("w_heads")
+    # In place (CP), value heads on grid x so that the plan's unused segment slots, numbered after
+    # the used ones, are dispatched last (as state_output_vmajor); segments on y.
+    grid = (num_v_heads, num_seqs) if in_place else (num_seqs, num_v_heads)
 
     @T.prim_func
     def state_output_roles(
@@ -284,7 +293,9 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
         o: T.Tensor((tokens, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
-        with T.Kernel(num_seqs, num_v_heads, threads=THREADS, prelude=STORE_OT_PRELUDE) as (seq, head):
+        with T.Kernel(*grid, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
+            seq = g1 if in_place else g0
+            head = g0 if in_place else g1
             q_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             v_s = T.alloc_shared((stages, CHUNK, head_v), dtype)
@@ -339,11 +350,11 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
                     T.barrier_arrive(full[c % stages])
             elif tx >= 128:
                 T.set_max_nreg(STATE_REGS, 1)
-                state_warpgroup(1, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
+                state_warpgroup(1, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
                                 empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
             else:
                 T.set_max_nreg(STATE_REGS, 1)
-                state_warpgroup(0, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
+                state_warpgroup(0, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
                                 empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
 
     return state_output_roles

@@ -1,8 +1,9 @@
 """GPU: the forward with ``state_output_roles`` as its output kernel against the fp64 references.
 
-The forward takes it by default (``FLASH_GDN_STATE_ROLES=0`` turns it off) for V = 128 without CP
-and without the split output kernel; here CP is off and the split is forced off, so every V = 128
-case below runs it."""
+The forward takes it by default (``FLASH_GDN_STATE_ROLES=0`` turns it off) for V = 128 without the
+split output kernel, with CP in place over the segment states; the ``roles`` cases turn CP off and
+force the split off, so every V = 128 case runs it over whole sequences, and the CP cases at the
+end run it (and the V-major kernel it replaces) over segments."""
 
 import pytest
 import torch
@@ -74,6 +75,41 @@ def test_roles_captures_into_cuda_graph(roles):
 def test_roles_agrees_with_vmajor(roles, monkeypatch):
     """The same products in the same order: the two output kernels agree to bf16 rounding."""
     lengths = [700, 64, 1]
+    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 3.0), n=len(lengths), h0=True)
+    cu = random_cu_seqlens(lengths, device="cuda")
+    o, s = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens=cu)
+    monkeypatch.setenv("FLASH_GDN_STATE_ROLES", "0")
+    o_ref, s_ref = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens=cu)
+    assert torch.allclose(o.float(), o_ref.float(), rtol=2e-2, atol=2e-2 * o_ref.float().abs().max().item())
+    assert torch.allclose(s, s_ref, rtol=1e-3, atol=1e-3 * s_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("state_roles", ["1", "0"])
+@pytest.mark.parametrize("h0", [False, True])
+def test_context_parallel_output_kernel_in_place(monkeypatch, state_roles, h0):
+    """CP with forced 3-chunk segments: the output kernel reads each segment's start state from the
+    segment states and writes its end state there (the roles kernel, or state_output_vmajor with
+    FLASH_GDN_STATE_ROLES=0); ragged lengths, empty sequences and unused segment slots (which must
+    keep their state), extreme gates, outputs poisoned."""
+    from flash_gdn.hopper import forward
+
+    monkeypatch.setenv("FLASH_GDN_STATE_ROLES", state_roles)
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "3")
+    forward._KERNELS.clear()
+    forward.release_workspaces()
+    lengths = [1, 0, 64, 300, 5, 63, 129, 0, 1000, 2049]
+    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=h0)
+    _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"))
+    (key,) = forward._KERNELS
+    assert key[6] is True and key[-1] is (state_roles == "1")  # cp, roles
+    name = "state_output_roles" if state_roles == "1" else "state_output_vmajor"
+    assert name in forward._KERNELS[key].output.get_kernel_source()
+
+
+def test_context_parallel_roles_agrees_with_vmajor(monkeypatch):
+    """Over the same segments the two output kernels agree to bf16 rounding."""
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "5")
+    lengths = [2000, 64, 700]
     inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 3.0), n=len(lengths), h0=True)
     cu = random_cu_seqlens(lengths, device="cuda")
     o, s = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens=cu)
