@@ -216,8 +216,9 @@ def segment_target(ctas_per_segment: int, device: torch.device) -> int:
 
 
 def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device: torch.device) -> bool:
-    """Whether the output kernel runs as two CTAs per (sequence, value head), one per half of V
-    (``state_output_vmajor``'s ``split_v``): only without CP (with CP the W tiles leave no room
+    """Whether the V-major output kernel runs as two CTAs per (sequence, value head), one per half
+    of V (``state_output_vmajor``'s ``split_v``; the roles kernel, the default at V = 128, is never
+    split: ``forward.use_state_roles``): only without CP (with CP the W tiles leave no room
     for two CTAs per SM), at V = 128, and where the split CTAs still get an SM each. Two split
     CTAs on one SM take ~1.13x the time of the one CTA they replace (the P^T product and its
     exponentials done twice), while split CTAs with an SM each take ~0.85x (H200, output

@@ -54,13 +54,17 @@ def use_fused(dk: int, dv: int, save_states: bool) -> bool:
     return not save_states and dk == 128 and dv == 128 and fused_opted_in()
 
 
-def use_state_roles(cp: bool, split: bool, dv: int) -> bool:
+def use_state_roles(dv: int) -> bool:
     """Whether the output kernel is ``state_output_roles`` (explicit warpgroup roles: P^T formed by
     the producer, no barrier across the state warpgroups; forward kernel time -3 to -11 % where
     it runs, H200, in-process A/B, docs/performance.md s34) rather than ``state_output_vmajor``:
-    V = 128, without the split output kernel; with CP too (in place over the segment states,
-    s36). ``FLASH_GDN_STATE_ROLES=0`` keeps the V-major kernel."""
-    return not split and dv == 128 and env_get("FLASH_GDN_STATE_ROLES", "1") != "0"
+    V = 128; with CP in place over the segment states (s36). Where the V-major kernel would run
+    split over V (two CTAs per sequence and head, each with an SM of its own:
+    ``context_parallel.split_output``) the roles kernel unsplit is now faster too (s36, H200,
+    forward kernel time, split -> roles: 16/16 x 2048x4 99.8 -> 96.2 us, 4/16 x 2048x4 97.6 ->
+    94.7, 2/8 x 1024x8 53.5 -> 52.3), so it takes those rows as well. ``FLASH_GDN_STATE_ROLES=0``
+    keeps the V-major kernel (split where it pays)."""
+    return dv == 128 and env_get("FLASH_GDN_STATE_ROLES", "1") != "0"
 
 
 def fused_opted_in() -> bool:
@@ -99,7 +103,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
         # 6.1 vs 6.9 us per chunk, H200)
         output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv, in_place=cp)  # noqa: E731
-    elif roles:  # the same products, explicit warpgroup roles (not split; in place with CP)
+    elif roles:  # the same products, explicit warpgroup roles (never split; in place with CP)
         output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0, in_place=cp)  # noqa: E731
     else:  # the state as a register operand; W S formed from K and A_g (W is not written)
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, True, split_v=split,  # noqa: E731
@@ -246,14 +250,15 @@ class DefaultForward:
         max_chunks = chunk_capacity(problem.batch, problem.seq_len, num_seqs, varlen)
         segments = forward_segments(num_seqs, hv, max_chunks, dev, varlen)
         self.cp = segments is not None
-        split = split_output(self.cp, num_seqs, hv, dv, dev)
+        roles = use_state_roles(dv)
+        split = not roles and split_output(self.cp, num_seqs, hv, dv, dev)
         self.rule = tuple(segments) if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
         self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS  # (the workspace's: A_r is per call)
         self.keep_inverse = keep_inverse
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,
-                                       roles=use_state_roles(self.cp, split, dv))
+                                       roles=roles)
         self.keep = keep
         self.workspace: _Workspace | None = None
 

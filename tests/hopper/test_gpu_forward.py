@@ -81,9 +81,11 @@ def test_forward_varlen(state_v_first, index_dtype):
 def test_forward_output_split_over_v(monkeypatch, split):
     from flash_gdn.hopper import forward
 
-    # Both layouts of the output kernel without CP: one CTA per sequence and value head, or two,
-    # one per half of V (context_parallel.split_output picks by SM fill).
+    # Both layouts of the V-major output kernel without CP: one CTA per sequence and value head,
+    # or two, one per half of V (context_parallel.split_output picks by SM fill where the roles
+    # kernel is switched off; the roles kernel is never split).
     monkeypatch.setenv("FLASH_GDN_CP", "0")
+    monkeypatch.setenv("FLASH_GDN_STATE_ROLES", "0")
     monkeypatch.setattr(forward, "split_output", lambda *args: split)
     lengths = [1, 0, 64, 300, 5, 63, 129, 0, 1000]
     inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=True)
