@@ -62,20 +62,25 @@ LOG2E = 1.4426950408889634
 STAGES = 3
 
 
-# O^T (a state warpgroup's 64 x 64 fp32 wgmma accumulator: rows V, columns tokens) into its output
-# tile o_s[token, v] (16-bit, rows of 128 bytes, 128-byte swizzle: the 16-byte chunk c of row r at
-# c ^ (r % 8), TileLang's layout for the tile's TMA store, pinned by ``annotate_layout``) with
-# transposing stmatrix: 4 instructions a thread instead of 32 two-byte stores. In the accumulator,
-# thread l of warp w holds, for each 8-column block n and half h, the pair (row 16 w + 8 h + l / 4,
-# columns 8 n + 2 (l % 4) + {0, 1}) at acc[4 n + 2 h + {0, 1}]: one register of an 8 x 8 matrix
-# in stmatrix's layout; .trans stores that matrix's column t (8 rows of V) as row 8 n + t of the
-# tile, at columns 16 w + 8 h to + 7, from the address lane 8 j + t gives for matrix j.
+# A warpgroup's 64 x 64 fp32 wgmma accumulator into a 16-bit shared tile of 128-byte rows with the
+# 128-byte swizzle (the 16-byte chunk c of row r at c ^ (r % 8): TileLang's layout for the tiles'
+# TMA store and wgmma reads, pinned by ``annotate_layout`` / the wgmma descriptors), by stmatrix:
+# 4 instructions a thread. In the accumulator, thread l of warp w holds, for each 8-column block n
+# and half h, the pair (row 16 w + 8 h + l / 4, columns 8 n + 2 (l % 4) + {0, 1}) at
+# acc[4 n + 2 h + {0, 1}]: one register of an 8 x 8 matrix in stmatrix's layout; each x4 stores
+# matrices m = 0..3 (half m % 2, column block n + m / 2), and lane 8 m + r gives the address of
+# matrix m's row r.
+# - ``flash_gdn_store_ot_trans``: O^T (rows V, columns tokens) into the output tile o_s[token, v],
+#   transposed (.trans): matrix m's column t goes to row 8 (n + m / 2) + t, columns 16 w + 8 (m % 2)
+#   to + 7 (instead of 32 two-byte stores);
+# - ``flash_gdn_store_acc``: P^T (rows j, columns i) into its stage's tile pt_s[j, i] as it is:
+#   matrix m's row r is row 16 w + 8 (m % 2) + r, chunk n + m / 2 (instead of 16 stores).
 STORE_OT_PRELUDE = r"""
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-template <typename Pair, Pair (*pack)(float, float)>
-__device__ __forceinline__ void flash_gdn_store_ot_trans(const float* acc, void* tile) {
+template <typename Pair, Pair (*pack)(float, float), bool trans>
+__device__ __forceinline__ void flash_gdn_stmatrix_acc(const float* acc, void* tile) {
   const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, j = lane / 8, r = lane % 8;
   char* base = static_cast<char*>(tile);
   #pragma unroll
@@ -87,46 +92,29 @@ __device__ __forceinline__ void flash_gdn_store_ot_trans(const float* acc, void*
       Pair pair = pack(acc[k], acc[k + 1]);
       reg[m] = *reinterpret_cast<uint32_t*>(&pair);
     }
-    const int row = 8 * (n + j / 2) + r, chunk = (2 * w + j % 2) ^ r;
+    const int row = trans ? 8 * (n + j / 2) + r : 16 * w + 8 * (j % 2) + r;
+    const int chunk = (trans ? 2 * w + j % 2 : n + j / 2) ^ r;
     const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(base + row * 128 + chunk * 16));
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 :: "r"(addr), "r"(reg[0]), "r"(reg[1]), "r"(reg[2]), "r"(reg[3]) : "memory");
-  }
-}
-// P^T (the producer's 64 x 64 fp32 accumulator: rows j, columns i, the same fragment layout) into
-// its stage's tile pt_s[j, i] as it is, with plain stmatrix: matrix m of each x4 is half m % 2 and
-// column block n + m / 2, whose row r lane 8 m + r addresses: row 16 w + 8 (m % 2) + r, 16-byte
-// chunk (n + m / 2) ^ r of the same 128-byte swizzle.
-template <typename Pair, Pair (*pack)(float, float)>
-__device__ __forceinline__ void flash_gdn_store_acc(const float* acc, void* tile) {
-  const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, j = lane / 8, r = lane % 8;
-  char* base = static_cast<char*>(tile);
-  #pragma unroll
-  for (int n = 0; n < 8; n += 2) {
-    uint32_t reg[4];
-    #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int k = 4 * (n + m / 2) + 2 * (m % 2);
-      Pair pair = pack(acc[k], acc[k + 1]);
-      reg[m] = *reinterpret_cast<uint32_t*>(&pair);
+    if (trans) {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                   :: "r"(addr), "r"(reg[0]), "r"(reg[1]), "r"(reg[2]), "r"(reg[3]) : "memory");
+    } else {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                   :: "r"(addr), "r"(reg[0]), "r"(reg[1]), "r"(reg[2]), "r"(reg[3]) : "memory");
     }
-    const int row = 16 * w + 8 * (j % 2) + r, chunk = (n + j / 2) ^ r;
-    const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(base + row * 128 + chunk * 16));
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 :: "r"(addr), "r"(reg[0]), "r"(reg[1]), "r"(reg[2]), "r"(reg[3]) : "memory");
   }
-}
-__device__ __forceinline__ void flash_gdn_store_acc_bfloat16(const float* acc, void* tile) {
-  flash_gdn_store_acc<__nv_bfloat162, __floats2bfloat162_rn>(acc, tile);
-}
-__device__ __forceinline__ void flash_gdn_store_acc_float16(const float* acc, void* tile) {
-  flash_gdn_store_acc<__half2, __floats2half2_rn>(acc, tile);
 }
 __device__ __forceinline__ void flash_gdn_store_ot_trans_bfloat16(const float* acc, void* tile) {
-  flash_gdn_store_ot_trans<__nv_bfloat162, __floats2bfloat162_rn>(acc, tile);
+  flash_gdn_stmatrix_acc<__nv_bfloat162, __floats2bfloat162_rn, true>(acc, tile);
 }
 __device__ __forceinline__ void flash_gdn_store_ot_trans_float16(const float* acc, void* tile) {
-  flash_gdn_store_ot_trans<__half2, __floats2half2_rn>(acc, tile);
+  flash_gdn_stmatrix_acc<__half2, __floats2half2_rn, true>(acc, tile);
+}
+__device__ __forceinline__ void flash_gdn_store_acc_bfloat16(const float* acc, void* tile) {
+  flash_gdn_stmatrix_acc<__nv_bfloat162, __floats2bfloat162_rn, false>(acc, tile);
+}
+__device__ __forceinline__ void flash_gdn_store_acc_float16(const float* acc, void* tile) {
+  flash_gdn_stmatrix_acc<__half2, __floats2half2_rn, false>(acc, tile);
 }
 """
 

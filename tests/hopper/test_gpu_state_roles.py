@@ -72,9 +72,9 @@ def test_roles_captures_into_cuda_graph(roles):
     check_graph_capture()
 
 
-def test_roles_agrees_with_vmajor(roles, monkeypatch):
-    """The same products in the same order: the two output kernels agree to bf16 rounding."""
-    lengths = [700, 64, 1]
+def _check_agrees_with_vmajor(monkeypatch, lengths):
+    """The same products in the same order: the roles kernel and state_output_vmajor
+    (``FLASH_GDN_STATE_ROLES=0``) agree to bf16 rounding on the same inputs."""
     inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 3.0), n=len(lengths), h0=True)
     cu = random_cu_seqlens(lengths, device="cuda")
     o, s = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens=cu)
@@ -82,6 +82,10 @@ def test_roles_agrees_with_vmajor(roles, monkeypatch):
     o_ref, s_ref = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens=cu)
     assert torch.allclose(o.float(), o_ref.float(), rtol=2e-2, atol=2e-2 * o_ref.float().abs().max().item())
     assert torch.allclose(s, s_ref, rtol=1e-3, atol=1e-3 * s_ref.abs().max().item())
+
+
+def test_roles_agrees_with_vmajor(roles, monkeypatch):
+    _check_agrees_with_vmajor(monkeypatch, [700, 64, 1])
 
 
 @pytest.mark.parametrize("state_roles", ["1", "0"])
@@ -107,13 +111,6 @@ def test_context_parallel_output_kernel_in_place(monkeypatch, state_roles, h0):
 
 
 def test_context_parallel_roles_agrees_with_vmajor(monkeypatch):
-    """Over the same segments the two output kernels agree to bf16 rounding."""
+    """Over the same segments (forced 5-chunk ones) the two output kernels agree."""
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "5")
-    lengths = [2000, 64, 700]
-    inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 3.0), n=len(lengths), h0=True)
-    cu = random_cu_seqlens(lengths, device="cuda")
-    o, s = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens=cu)
-    monkeypatch.setenv("FLASH_GDN_STATE_ROLES", "0")
-    o_ref, s_ref = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens=cu)
-    assert torch.allclose(o.float(), o_ref.float(), rtol=2e-2, atol=2e-2 * o_ref.float().abs().max().item())
-    assert torch.allclose(s, s_ref, rtol=1e-3, atol=1e-3 * s_ref.abs().max().item())
+    _check_agrees_with_vmajor(monkeypatch, [2000, 64, 700])
