@@ -4,7 +4,9 @@ the L2 norm's backward) and dg.
 The spec is ``reference.chunked_backward.chunk_grads_qk`` plus the sum with stage 3a. Two
 CTAs per (chunk, q/k head), one for dq and one for dk; each loops over the value heads that
 share that q/k head and keeps its gradient in fp32 registers across the loop, so the group
-reduction happens in the kernel (in a fixed order: deterministic). Per value head, from dO,
+reduction happens in the kernel (in a fixed order: deterministic). Each value head's tiles are
+issued one value head ahead: the first's with q and k, each next one's as soon as the current
+one's products are done, so they land under its tail (s37: -2 to -3 %). Per value head, from dO,
 V_new and the chunk's start state S = h and end-state gradient dS' = dh (stages 1 and 2),
 with q and k normalised by their inverse norms:
 
@@ -94,6 +96,36 @@ def _l2_backward_store(grad, tmp, red, dot_s, x_tile, x_inv, normalize, stage, o
     store_chunk_rows(stage, out, start, length, qk_head, 0)
 
 
+@T.macro
+def _load_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready, start,
+                       chunk_id, head, role, head_k, head_v):
+    """Value head ``head``'s tiles by TMA, all in flight at once: dO, V_new and its gamma row on
+    ``vo_ready``, the state tile (S = h for the dq CTA, dS' = dh for the dk CTA) on ``st_ready``."""
+    T.tma_copy(do[start:start + CHUNK, head, 0:head_v], do_tile, barrier=vo_ready)
+    T.tma_copy(v_new[start:start + CHUNK, head, 0:head_v], vn_tile, barrier=vo_ready)
+    T.tma_copy(gamma[head, chunk_id, 0:CHUNK], gamma_s, barrier=vo_ready)
+    if role == 0:
+        T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
+    else:
+        T.tma_copy(dh[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
+    T.barrier_arrive(vo_ready)
+    T.barrier_arrive(st_ready)
+
+
+@T.macro
+def _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready, start,
+                       chunk_id, head, member, group, role, head_k, head_v):
+    """The next member's tiles, issued once this member's products are done and its dO tile is
+    read (dk CTA: dk_wy, which lands there): every thread past the barrier, then the proxy fence
+    orders those reads before the TMA writes. Its gamma row may go too: this member's tail reads
+    only registers and the other shared rows (dgamma_wy comes with dk_wy)."""
+    if member + 1 < group:
+        T.sync_threads()
+        T.fence_proxy_async()
+        _load_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready, start,
+                           chunk_id, head + 1, role, head_k, head_v)
+
+
 @jit
 def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
     tokens = T.dynamic("tokens")
@@ -179,6 +211,10 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                 T.tma_copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile, barrier=qk_ready)
                 T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=qk_ready)
                 T.barrier_arrive(qk_ready)
+                # The first member's tiles go out with q and k; each later member's are issued as soon as
+                # the previous member's products are done (below), so they land under its tail.
+                _load_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
+                                   start, chunk_id, qk_head * group, role, head_k, head_v)
                 T.copy(q_norm_inv[qk_head, chunk_id, 0:CHUNK], q_inv)
                 T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
                 # (two dependent loads, while the tiles arrive; the dq CTA does not need them)
@@ -202,21 +238,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
 
                 for member in T.serial(group):
                     head = qk_head * group + member
-                    # This member's tiles by TMA, all in flight at once, with its gamma (and dgamma_wy)
-                    # rows (the previous member's reads of these buffers are finished: barrier, then the
-                    # proxy fence).
+                    # (The previous member's tail has read the shared rows that this member writes.)
                     T.sync_threads()
-                    T.fence_proxy_async()
-                    T.tma_copy(do[start:start + CHUNK, head, 0:head_v], do_tile, barrier=vo_ready)
-                    T.tma_copy(v_new[start:start + CHUNK, head, 0:head_v], vn_tile, barrier=vo_ready)
-                    T.tma_copy(gamma[head, chunk_id, 0:CHUNK], gamma_s, barrier=vo_ready)
-                    if role == 0:
-                        T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
-                    else:
-                        T.tma_copy(dgamma_wy[head, chunk_id, 0:CHUNK], dgw_s, barrier=vo_ready)
-                        T.tma_copy(dh[chunk_id, head, 0:head_k, 0:head_v], st_tile, barrier=st_ready)
-                    T.barrier_arrive(vo_ready)
-                    T.barrier_arrive(st_ready)
                     T.mbarrier_wait_parity(vo_ready, member % 2)
                     gamma_last = gamma_s[length - 1]
                     for i in T.Parallel(CHUNK):
@@ -260,6 +283,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.wgmma_gemm(dqk_s, k_tile, grad)
                         T.wgmma_gemm(do_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
+                        _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
+                                           start, chunk_id, head, member, group, role, head_k, head_v)
                         _add_state_term(grad, acc_v, q_tile, red_a, dot_s)
                         for i in T.Parallel(2 * CHUNK):
                             z_s[i] = T.if_then_else(i < length, msum_s[i % CHUNK] + dot_s[i % CHUNK],
@@ -271,6 +296,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.sync_threads()
                         T.fence_proxy_async()
                         T.tma_copy(dk_wy[start:start + CHUNK, head, 0:head_k], do_tile, barrier=wy_ready)
+                        T.tma_copy(dgamma_wy[head, chunk_id, 0:CHUNK], dgw_s, barrier=wy_ready)
                         T.barrier_arrive(wy_ready)
                         # V_new is read: its tile now holds E V_new.
                         for i, j in T.Parallel(CHUNK, head_v):
@@ -308,6 +334,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.mbarrier_wait_parity(wy_ready, member % 2)
                         for i, d in T.Parallel(CHUNK, head_k):
                             grad[i, d] += T.cast(do_tile[i, d], ACCUM)
+                        _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
+                                           start, chunk_id, head, member, group, role, head_k, head_v)
                         _add_state_term(grad, acc_v, k_tile, red_a, dot_s)
                         # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so every
                         # dg of the chunk (a reverse cumsum) gains X: it goes in as y (_add_dg).

@@ -151,6 +151,27 @@ def test_chunk_parallel_grads_ask_for_two_ctas_per_sm(name):
         assert source.count("tl::tma_store(") >= 2
 
 
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("qk_grads")))
+def test_qk_grads_loads_each_value_heads_tiles_a_value_head_ahead(name):
+    """The first value head's dO (and V_new, gamma, state tile) go out with q and k, before the
+    value-head loop; each next one's, in each CTA role, after the current value head's products
+    have finished (a full wgmma wait), behind a CTA barrier and the proxy fence that order the
+    reads of those tiles before the TMA writes."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    lines = [line.strip() for line in source.splitlines()]
+    loads = [i for i, line in enumerate(lines) if line.startswith("tl::tma_load(do_desc")]
+    loop = next(i for i, line in enumerate(lines) if line.startswith("for (int member"))
+    assert len(loads) == 3 and loads[0] < loop < loads[1] < loads[2], (loads, loop)
+    for i in loads[1:]:
+        wait = max(j for j in range(loop, i) if lines[j] == "tl::wait_wgmma<0>();")
+        between = lines[wait:i]
+        assert "__syncthreads();" in between and "tl::fence_proxy_async();" in between
+        assert between.index("__syncthreads();") < len(between) - 1 - between[::-1].index("tl::fence_proxy_async();")
+
+
 def _assemble(source: str, tmp_path, *extra: str):
     """nvcc on a kernel's generated CUDA with the flags TileLang compiles it with here
     (``launch.COMPILE_FLAGS``), to an object file; the completed process (ptxas's report in stderr)."""
