@@ -105,22 +105,18 @@ def patched_source(variant: str) -> str:
 def patched_roles_source(variant: str) -> str:
     s = open(ROLES_SOURCE).read()
     b = _ROLES_BODY
-    if variant == "roles_no_pt":
-        producer = " " * 20  # the producer's chunk loop
-        s = _replace(s, producer + "T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, "
-                     "clear_accum=True)\n" + producer + "T.wait_wgmma(0)\n"
-                     + producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n", "")
-        s = _replace(s, b + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
     producer = " " * 20  # the producer's chunk loop
     kq = (producer + "T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)\n"
           + producer + "T.wait_wgmma(0)\n")
-    if variant in ("roles_no_kq", "roles_idle_producer"):
+    pt_line = producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n"
+    if variant in ("roles_no_pt", "roles_no_kq", "roles_idle_producer"):
         s = _replace(s, kq, "")
+    if variant in ("roles_no_pt", "roles_idle_producer"):  # (idle: the state warpgroups read a stale P^T tile)
+        s = _replace(s, pt_line, "")
+    if variant == "roles_no_pt":
+        s = _replace(s, b + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
     if variant == "roles_no_pass":
-        s = _replace(s, producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n",
-                     producer + "T.copy(pt, pt_s[c % stages, :, :])\n")
-    if variant == "roles_idle_producer":  # P^T neither formed nor stored: the state warpgroups read a stale tile
-        s = _replace(s, producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n", "")
+        s = _replace(s, pt_line, producer + "T.copy(pt, pt_s[c % stages, :, :])\n")
     if variant == "roles_no_store":
         start = s.index(b + "T.tma_store_wait(0)\n")
         end = s.index(b + "store_chunk_rows(o_s, o, start, length, head, v0, wait=False)\n")
