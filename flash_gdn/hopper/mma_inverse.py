@@ -1,0 +1,269 @@
+"""The chunk inverse (I + L)^-1 by one warpgroup in a few dependent steps (a building block; probe).
+
+For the fused forward (docs/performance.md v18, s38) the auxiliary warpgroup must produce a chunk's
+inverse within the state warpgroups' ~2.2 us a chunk; ``tiles.blocked_unit_lower_inverse`` takes
+~1.7 us there (64 threads' column substitution over 16x16 diagonal blocks, then two merges as full
+64x64 wgmma products of which the masks keep a quarter). This one is a CUDA device function
+(``INVERSE64_PRELUDE``) for one warpgroup, written for short dependent chains:
+
+0. the eight 8x8 diagonal blocks by row elimination in fp32, one row a lane (two warps' worth of
+   lanes, mirrored in the other lanes), the pivot rows by width-8 shuffles: 7 steps;
+1. doubling, with the block rule [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], the
+   missing block -D^-1 (C A^-1) as two ``mma.sync`` products (fp16 operands, fp32 accumulation):
+   8 -> 16 (each warp one 16-row band, m16n8k8), 16 -> 32 (a warp per 8 columns of each lower-left
+   16x16 block, m16n8k16), 32 -> 64 (a warp per 8 columns of the 32x32 block, two k-steps each).
+   The first product's accumulator becomes the second's B operand by shuffles within the warp, so
+   no level writes an intermediate to shared memory; each level's result is written (fp32 to the
+   output, fp16 for the next level's operands), then one warpgroup barrier.
+
+In place, in shared memory (row-major, rows padded against bank conflicts): L fp32 [64][L_STRIDE],
+zero on and above the diagonal, becomes the fp32 inverse; an fp16 scratch [64][XH_STRIDE] holds the
+partial inverses, the next levels' operands (level 0 also writes the zeros above the diagonal blocks
+that later levels read there). Each level writes a block of L that only its own lanes have read, or,
+for the 16 -> 32 and 32 -> 64 blocks, after a barrier behind every warp's reads.
+Precision as ``tiles.blocked_unit_lower_inverse``: fp32 diagonal blocks, fp16 operands elsewhere
+(L, the partial inverses, and C A^-1 between the two products of a level).
+"""
+
+import functools
+
+import tilelang.language as T
+
+from .launch import Launcher, jit
+from .tiles import blocked_unit_lower_inverse
+
+CHUNK = 64
+L_STRIDE = 68  # floats a row of L
+XH_STRIDE = 72  # halves a row of the fp16 inverse
+
+INVERSE64_PRELUDE = r"""
+#include <cstdint>
+#include <cuda_fp16.h>
+#define FG_LS %(ls)d
+#define FG_XHS %(xhs)d
+__device__ __forceinline__ uint32_t fg_pack(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t fg_pack_h(__half lo, __half hi) {
+  __half2 h = __halves2half2(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t fg_word(const __half* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// d += A (16x8, a0: row g, a1: row g + 8) B (8x8, b0: rows 2t, 2t + 1 of column g)
+__device__ __forceinline__ void fg_mma_k8(float* d, uint32_t a0, uint32_t a1, uint32_t b0) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%%0,%%1,%%2,%%3}, {%%4,%%5}, {%%6}, {%%0,%%1,%%2,%%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(b0));
+}
+// d += A (16x16: a0 row g, a1 row g + 8, columns 2t, 2t + 1; a2, a3 the same rows at columns + 8)
+//      B (16x8: b0 rows 2t, 2t + 1, b1 rows 2t + 8, 2t + 9, of column g)
+__device__ __forceinline__ void fg_mma_k16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                           uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%%0,%%1,%%2,%%3}, {%%4,%%5,%%6,%%7}, {%%8,%%9}, "
+               "{%%0,%%1,%%2,%%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The accumulator d (16x8: d0, d1 row g, d2, d3 row g + 8, columns 2t, 2t + 1) as the B operand of a
+// k16 product (rows of d are its k): b0 = (d[2t][g], d[2t + 1][g]), b1 = (d[2t + 8][g], d[2t + 9][g]).
+__device__ __forceinline__ void fg_acc_as_b(const float* d, int g, int t, uint32_t& b0, uint32_t& b1) {
+  const int src0 = (2 * t) * 4 + (g >> 1), src1 = (2 * t + 1) * 4 + (g >> 1);
+  const bool odd = g & 1;
+  float r00 = __shfl_sync(0xffffffffu, d[0], src0), r01 = __shfl_sync(0xffffffffu, d[1], src0);
+  float r02 = __shfl_sync(0xffffffffu, d[2], src0), r03 = __shfl_sync(0xffffffffu, d[3], src0);
+  float r10 = __shfl_sync(0xffffffffu, d[0], src1), r11 = __shfl_sync(0xffffffffu, d[1], src1);
+  float r12 = __shfl_sync(0xffffffffu, d[2], src1), r13 = __shfl_sync(0xffffffffu, d[3], src1);
+  b0 = fg_pack(odd ? r01 : r00, odd ? r11 : r10);
+  b1 = fg_pack(odd ? r03 : r02, odd ? r13 : r12);
+}
+
+__device__ __forceinline__ void fg_bar_sync(int id) { asm volatile("bar.sync %%0, 128;\n" :: "r"(id) : "memory"); }
+__device__ __forceinline__ float2 fg_ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ uint32_t fg_pack2(float2 v) { return fg_pack(v.x, v.y); }
+__device__ __forceinline__ void fg_st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void fg_st2h(__half* p, float a, float b) { *reinterpret_cast<uint32_t*>(p) = fg_pack(a, b); }
+
+// lx = (I + L)^-1 in place, for L strictly lower in lx (fp32 [64][FG_LS]; zero on and above the
+// diagonal), by the warpgroup whose thread index is t (0..127); xh: fp16 scratch [64][FG_XHS] (the
+// partial inverses: each level's operands). ``bar``: a named barrier id for the warpgroup's 128
+// threads; the function ends with it, so lx is then complete for all of them.
+__device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar) {
+  __half* xh = static_cast<__half*>(xh_);
+  const int w = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+  // 0. 8x8 diagonal blocks: the lane's row r of block r / 8 (lanes 16..31 repeat 0..15), pivots by
+  // width-8 shuffles. Also the zeros above the diagonal blocks that later levels read from xh.
+  {
+    const int r = 16 * w + (lane & 15), b = r & ~7, i = r & 7;
+    float xr[8], lr[8];
+    const float4 l0 = *reinterpret_cast<const float4*>(lx + r * FG_LS + b);
+    const float4 l1 = *reinterpret_cast<const float4*>(lx + r * FG_LS + b + 4);
+    lr[0] = l0.x; lr[1] = l0.y; lr[2] = l0.z; lr[3] = l0.w; lr[4] = l1.x; lr[5] = l1.y; lr[6] = l1.z; lr[7] = l1.w;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xr[j] = (j == i) ? 1.f : 0.f;
+#pragma unroll
+    for (int s = 0; s < 7; ++s) {
+      float piv[8];
+#pragma unroll
+      for (int j = 0; j <= s; ++j) piv[j] = __shfl_sync(0xffffffffu, xr[j], s, 8);
+      const float f = (i > s) ? lr[s] : 0.f;
+#pragma unroll
+      for (int j = 0; j <= s; ++j) xr[j] -= f * piv[j];
+    }
+    if (lane < 16) {
+      *reinterpret_cast<float4*>(lx + r * FG_LS + b) = make_float4(xr[0], xr[1], xr[2], xr[3]);
+      *reinterpret_cast<float4*>(lx + r * FG_LS + b + 4) = make_float4(xr[4], xr[5], xr[6], xr[7]);
+      *reinterpret_cast<uint4*>(xh + r * FG_XHS + b) =
+          make_uint4(fg_pack(xr[0], xr[1]), fg_pack(xr[2], xr[3]), fg_pack(xr[4], xr[5]), fg_pack(xr[6], xr[7]));
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      if ((r & 15) < 8) *reinterpret_cast<uint4*>(xh + r * FG_XHS + b + 8) = zero;  // above it in its 16-row band
+      if ((r & 31) < 16) {  // above its 16-row band in its 32-row band
+        *reinterpret_cast<uint4*>(xh + r * FG_XHS + (r & ~31) + 16) = zero;
+        *reinterpret_cast<uint4*>(xh + r * FG_XHS + (r & ~31) + 24) = zero;
+      }
+    }
+  }
+  __syncwarp();  // level 1 reads only its own warp's band
+  // 1. 8 -> 16: warp w's band (rows 16w..16w+15): Y = -D^-1 (C A^-1), all 8x8 (m16n8k8, rows g + 8 zero).
+  // Each lane reads exactly the elements of C it writes Y to.
+  {
+    const int base = 16 * w;
+    float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+    float* c = lx + (base + 8 + g) * FG_LS + base + 2 * q;
+    fg_mma_k8(d, fg_pack2(fg_ld2(c)), 0u,
+              fg_pack_h(xh[(base + 2 * q) * FG_XHS + base + g], xh[(base + 2 * q + 1) * FG_XHS + base + g]));
+    uint32_t b0, b1;
+    fg_acc_as_b(d, g, q, b0, b1);  // (b1: rows 8.. of a k16 operand, unused at k8)
+    fg_mma_k8(e, fg_word(xh + (base + 8 + g) * FG_XHS + base + 8 + 2 * q), 0u, b0);
+    fg_st2(c, -e[0], -e[1]);
+    fg_st2h(xh + (base + 8 + g) * FG_XHS + base + 2 * q, -e[0], -e[1]);
+  }
+  fg_bar_sync(bar);
+  // 2. 16 -> 32: warps 0, 1 the block rows 16..31 x columns 0..15, warps 2, 3 rows 48..63 x 32..47;
+  // each warp 8 of its block's columns. Its fp32 result waits in y2 (the pair's other warp still
+  // reads that part of L) and is written at the end.
+  float y2[4];
+  const int base2 = 32 * (w >> 1), n2 = base2 + 8 * (w & 1);
+  {
+    const float* c = lx + (base2 + 16) * FG_LS + base2;
+    float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+    fg_mma_k16(d, fg_pack2(fg_ld2(c + g * FG_LS + 2 * q)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q)),
+               fg_pack2(fg_ld2(c + g * FG_LS + 2 * q + 8)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q + 8)),
+               fg_pack_h(xh[(base2 + 2 * q) * FG_XHS + n2 + g], xh[(base2 + 2 * q + 1) * FG_XHS + n2 + g]),
+               fg_pack_h(xh[(base2 + 2 * q + 8) * FG_XHS + n2 + g], xh[(base2 + 2 * q + 9) * FG_XHS + n2 + g]));
+    uint32_t b0, b1;
+    fg_acc_as_b(d, g, q, b0, b1);
+    const __half* dinv = xh + (base2 + 16) * FG_XHS + base2 + 16;
+    fg_mma_k16(e, fg_word(dinv + g * FG_XHS + 2 * q), fg_word(dinv + (g + 8) * FG_XHS + 2 * q),
+               fg_word(dinv + g * FG_XHS + 2 * q + 8), fg_word(dinv + (g + 8) * FG_XHS + 2 * q + 8), b0, b1);
+    const int row = base2 + 16 + g, col = n2 + 2 * q;
+    fg_st2h(xh + row * FG_XHS + col, -e[0], -e[1]);
+    fg_st2h(xh + (row + 8) * FG_XHS + col, -e[2], -e[3]);
+    y2[0] = -e[0]; y2[1] = -e[1]; y2[2] = -e[2]; y2[3] = -e[3];
+  }
+  fg_bar_sync(bar);
+  // 3. 32 -> 64: rows 32..63 x columns 0..31, warp w columns 8w..8w+7; C A^-1 as two m-tiles over two
+  // k-steps, then D^-1 times it, its m-tiles the k-steps. The result is written after every warp has
+  // read C (a barrier between the two products).
+  const int n3 = 8 * w;
+  float y3[2][4];
+  {
+    float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const int k0 = 16 * kk;
+      const uint32_t b0 = fg_pack_h(xh[(k0 + 2 * q) * FG_XHS + n3 + g], xh[(k0 + 2 * q + 1) * FG_XHS + n3 + g]);
+      const uint32_t b1 = fg_pack_h(xh[(k0 + 2 * q + 8) * FG_XHS + n3 + g], xh[(k0 + 2 * q + 9) * FG_XHS + n3 + g]);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const float* c = lx + (32 + 16 * mi) * FG_LS + k0;
+        fg_mma_k16(d[mi], fg_pack2(fg_ld2(c + g * FG_LS + 2 * q)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q)),
+                   fg_pack2(fg_ld2(c + g * FG_LS + 2 * q + 8)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q + 8)),
+                   b0, b1);
+      }
+    }
+    uint32_t tb[2][2];
+    fg_acc_as_b(d[0], g, q, tb[0][0], tb[0][1]);
+    fg_acc_as_b(d[1], g, q, tb[1][0], tb[1][1]);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      float e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const __half* dinv = xh + (32 + 16 * mi) * FG_XHS + 32 + 16 * kk;
+        fg_mma_k16(e, fg_word(dinv + g * FG_XHS + 2 * q), fg_word(dinv + (g + 8) * FG_XHS + 2 * q),
+                   fg_word(dinv + g * FG_XHS + 2 * q + 8), fg_word(dinv + (g + 8) * FG_XHS + 2 * q + 8), tb[kk][0],
+                   tb[kk][1]);
+      }
+      y3[mi][0] = -e[0]; y3[mi][1] = -e[1]; y3[mi][2] = -e[2]; y3[mi][3] = -e[3];
+    }
+  }
+  fg_bar_sync(bar);  // every warp has read L's blocks of levels 2 and 3
+  {
+    const int row = base2 + 16 + g, col = n2 + 2 * q;
+    fg_st2(lx + row * FG_LS + col, y2[0], y2[1]);
+    fg_st2(lx + (row + 8) * FG_LS + col, y2[2], y2[3]);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const int row3 = 32 + 16 * mi + g, col3 = n3 + 2 * q;
+      fg_st2(lx + row3 * FG_LS + col3, y3[mi][0], y3[mi][1]);
+      fg_st2(lx + (row3 + 8) * FG_LS + col3, y3[mi][2], y3[mi][3]);
+    }
+  }
+  fg_bar_sync(bar);
+}
+""" % dict(ls=L_STRIDE, xhs=XH_STRIDE)
+
+
+@functools.lru_cache(maxsize=None)
+def build_inverse_probe(mma: bool, repeats: int = 32):
+    """Probe kernel: each CTA (one warpgroup, one per SM) loads its matrix of ``l`` [n, 64, 64] fp32
+    (strictly lower part) once and inverts it ``repeats`` times one after another, then stores the
+    inverse to ``x``: the time a repeat is the inverse's latency for one warpgroup. ``mma``: this
+    module's inverse, else ``tiles.blocked_unit_lower_inverse`` (from L in registers, copied from
+    shared memory each repeat: the inverse overwrites it)."""
+    return Launcher(_inverse_probe_kernel(mma, repeats))
+
+
+@jit
+def _inverse_probe_kernel(mma, repeats, threads=128):
+    n = T.dynamic("n")
+    accum, half, block = "float32", "float16", 16
+
+    @T.prim_func
+    def inverse_probe(l: T.Tensor((n, CHUNK, CHUNK), accum), x: T.Tensor((n, CHUNK, CHUNK), accum)):
+        with T.Kernel(n, threads=threads, prelude=INVERSE64_PRELUDE) as bx:
+            tx = T.get_thread_binding()
+            T.annotate_min_blocks_per_sm(1)
+            l_s = T.alloc_shared((CHUNK, L_STRIDE), accum)
+            for i, j in T.Parallel(CHUNK, CHUNK):
+                l_s[i, j] = T.if_then_else(i > j, l[bx, i, j], T.cast(0, accum))
+            if mma:
+                lx_s = T.alloc_shared((CHUNK, L_STRIDE), accum)
+                xh_s = T.alloc_shared((CHUNK, XH_STRIDE), half)
+                T.sync_threads()
+                for _ in T.serial(repeats):
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        lx_s[i, j] = l_s[i, j]
+                    T.sync_threads()
+                    T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"), tx, 1)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    x[bx, i, j] = lx_s[i, j]
+            else:
+                strict = T.alloc_fragment((CHUNK, CHUNK), accum)
+                lower_diag = T.alloc_shared((CHUNK, block), accum)
+                lower16 = T.alloc_shared((CHUNK, CHUNK), half)
+                diag16 = T.alloc_shared((CHUNK, CHUNK), half)
+                diag32 = T.alloc_shared((CHUNK, CHUNK), half)
+                left = T.alloc_fragment((CHUNK, CHUNK), half)
+                column = T.alloc_local((block,), accum)
+                inv = T.alloc_fragment((CHUNK, CHUNK), accum)
+                T.sync_threads()
+                for _ in T.serial(repeats):
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        strict[i, j] = l_s[i, j]
+                    blocked_unit_lower_inverse(strict, lower_diag, lower16, diag16, diag32, column, left, inv)
+                    T.sync_threads()
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    x[bx, i, j] = inv[i, j]
+
+    return inverse_probe

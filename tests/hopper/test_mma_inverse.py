@@ -1,0 +1,64 @@
+"""The warpgroup chunk inverse of ``hopper/mma_inverse`` (a building block for the fused forward):
+it compiles for sm_90a with its ``mma.sync`` products, and on a Hopper GPU it matches an fp64
+inverse as closely as ``tiles.blocked_unit_lower_inverse`` does."""
+
+import shutil
+
+import pytest
+import torch
+
+tilelang = pytest.importorskip("tilelang")
+
+
+def _gdn_lower(n: int, decay: float, dev) -> torch.Tensor:
+    """n strictly lower matrices as the forward forms them: beta_i k_i.k_j e^(gamma_i - gamma_j), unit keys, fp64."""
+    gen = torch.Generator(device="cpu").manual_seed(int(decay * 1000) + n)
+    k = torch.nn.functional.normalize(torch.randn(n, 64, 128, generator=gen, dtype=torch.float64), dim=-1)
+    beta = torch.rand(n, 64, 1, generator=gen, dtype=torch.float64)
+    gamma = torch.cumsum(-decay * torch.rand(n, 64, generator=gen, dtype=torch.float64), dim=-1)
+    a = beta * (k @ k.transpose(-1, -2)) * torch.exp(gamma[:, :, None] - gamma[:, None, :])
+    return torch.tril(a, -1).to(dev)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("mma", [True, False])
+def test_inverse_probe_compiles_for_sm90a(mma):
+    from tilelang import tvm
+
+    from flash_gdn.hopper.mma_inverse import build_inverse_probe
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = build_inverse_probe(mma).get_kernel_source()
+    if mma:
+        assert "flash_gdn_inverse64(" in source
+        assert "mma.sync.aligned.m16n8k16" in source and "mma.sync.aligned.m16n8k8" in source
+    else:
+        assert "wgmma" in source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decay", [0.0, 0.1, 3.0, 20.0])
+def test_mma_inverse_matches_fp64(decay):
+    """Gates from none to ~-20 a token; outputs poisoned; the same error class as the blocked
+    inverse (fp32 diagonal blocks, fp16 operands elsewhere); two runs bitwise equal."""
+    from flash_gdn.hopper.mma_inverse import build_inverse_probe
+
+    dev = torch.device("cuda")
+    lower = _gdn_lower(264, decay, dev)
+    ref = torch.linalg.inv(torch.eye(64, device=dev, dtype=torch.float64) + lower)
+    l32 = lower.float().contiguous()
+    errors = {}
+    for mma in (True, False):
+        x = torch.full_like(l32, float("nan"))
+        build_inverse_probe(mma)(l32, x)
+        torch.cuda.synchronize()
+        assert torch.isfinite(x).all(), f"mma={mma}: unwritten or non-finite elements"
+        assert torch.equal(torch.triu(x, 1), torch.zeros_like(x)), f"mma={mma}: nonzero above the diagonal"
+        errors[mma] = ((x.double() - ref).norm() / ref.norm()).item()
+        if mma:
+            again = torch.full_like(l32, float("nan"))
+            build_inverse_probe(mma)(l32, again)
+            assert torch.equal(x, again), "two runs differ"
+    assert errors[True] < 5e-4, errors
+    assert errors[True] <= 1.5 * errors[False] + 1e-6, errors
