@@ -50,3 +50,12 @@ if __name__ == "__main__":
             per_sm = 16 * repeats
             print(f"decay {decay:4.1f} {name:16s} rel err {err:.2e} max abs {worst:.2e} nan {bool(x.isnan().any())}"
                   f" | latency {us / repeats:5.3f} us an inverse; throughput {us_many / per_sm:5.3f} us of SM time each", flush=True)
+    # Where the mma inverse's latency goes: thread 0's clock64 at each level's end (second run a CTA).
+    from flash_gdn.hopper.mma_inverse import build_inverse_stamps
+    stamps = torch.zeros(sms, 6, dtype=torch.int64, device=dev)
+    build_inverse_stamps()(gdn_lower(sms, 0.1, dev).float().contiguous(), stamps)
+    torch.cuda.synchronize()
+    steps = (stamps[:, 1:] - stamps[:, :-1]).double().median(dim=0).values.tolist()
+    names = ("8x8 blocks", "8->16", "16->32", "32->64 products", "32->64 stores")
+    print("mma_inverse, cycles by level (median over CTAs):",
+          ", ".join(f"{n} {c:.0f}" for n, c in zip(names, steps)), f"; total {sum(steps):.0f}", flush=True)

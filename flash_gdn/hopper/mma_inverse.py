@@ -86,9 +86,11 @@ __device__ __forceinline__ void fg_st2h(__half* p, float a, float b) { *reinterp
 // lx = (I + L)^-1 in place, for L strictly lower in lx (fp32 [64][FG_LS]; zero on and above the
 // diagonal), by the warpgroup whose thread index is t (0..127); xh: fp16 scratch [64][FG_XHS] (the
 // partial inverses: each level's operands). ``bar``: a named barrier id for the warpgroup's 128
-// threads; the function ends with it, so lx is then complete for all of them.
-__device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar) {
+// threads; the function ends with it, so lx is then complete for all of them. ``stamps`` (a probe's;
+// nullptr otherwise): thread 0 writes clock64() at the start and after each level (6 values).
+__device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar, int64_t* stamps = nullptr) {
   __half* xh = static_cast<__half*>(xh_);
+  if (stamps != nullptr && t == 0) stamps[0] = clock64();
   const int w = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
   // 0. 8x8 diagonal blocks: the lane's row r of block r / 8 (lanes 16..31 repeat 0..15), pivots by
   // width-8 shuffles. Also the zeros above the diagonal blocks that later levels read from xh.
@@ -123,6 +125,7 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar) {
     }
   }
   __syncwarp();  // level 1 reads only its own warp's band
+  if (stamps != nullptr && t == 0) stamps[1] = clock64();
   // 1. 8 -> 16: warp w's band (rows 16w..16w+15): Y = -D^-1 (C A^-1), all 8x8 (m16n8k8, rows g + 8 zero).
   // Each lane reads exactly the elements of C it writes Y to.
   {
@@ -138,6 +141,7 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar) {
     fg_st2h(xh + (base + 8 + g) * FG_XHS + base + 2 * q, -e[0], -e[1]);
   }
   fg_bar_sync(bar);
+  if (stamps != nullptr && t == 0) stamps[2] = clock64();
   // 2. 16 -> 32: warps 0, 1 the block rows 16..31 x columns 0..15, warps 2, 3 rows 48..63 x 32..47;
   // each warp 8 of its block's columns. Its fp32 result waits in y2 (the pair's other warp still
   // reads that part of L) and is written at the end.
@@ -161,6 +165,7 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar) {
     y2[0] = -e[0]; y2[1] = -e[1]; y2[2] = -e[2]; y2[3] = -e[3];
   }
   fg_bar_sync(bar);
+  if (stamps != nullptr && t == 0) stamps[3] = clock64();
   // 3. 32 -> 64: rows 32..63 x columns 0..31, warp w columns 8w..8w+7; C A^-1 as two m-tiles over two
   // k-steps, then D^-1 times it, its m-tiles the k-steps. The result is written after every warp has
   // read C (a barrier between the two products).
@@ -198,6 +203,7 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar) {
     }
   }
   fg_bar_sync(bar);  // every warp has read L's blocks of levels 2 and 3
+  if (stamps != nullptr && t == 0) stamps[4] = clock64();
   {
     const int row = base2 + 16 + g, col = n2 + 2 * q;
     fg_st2(lx + row * FG_LS + col, y2[0], y2[1]);
@@ -210,6 +216,7 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar) {
     }
   }
   fg_bar_sync(bar);
+  if (stamps != nullptr && t == 0) stamps[5] = clock64();
 }
 """ % dict(ls=L_STRIDE, xhs=XH_STRIDE)
 
@@ -267,3 +274,31 @@ def _inverse_probe_kernel(mma, repeats, threads=128):
                     x[bx, i, j] = inv[i, j]
 
     return inverse_probe
+
+
+@functools.lru_cache(maxsize=None)
+def build_inverse_stamps():
+    """Probe kernel: per CTA, ``mma_inverse`` of its matrix of ``l`` twice (the first warms up), the
+    second with thread 0's clock64 at its start and after each level into ``stamps`` [n, 6]."""
+    return Launcher(_inverse_stamps_kernel())
+
+
+@jit
+def _inverse_stamps_kernel(threads=128):
+    n = T.dynamic("n")
+    accum, half = "float32", "float16"
+
+    @T.prim_func
+    def inverse_stamps(l: T.Tensor((n, CHUNK, CHUNK), accum), stamps: T.Tensor((n, 6), "int64")):
+        with T.Kernel(n, threads=threads, prelude=INVERSE64_PRELUDE) as bx:
+            tx = T.get_thread_binding()
+            lx_s = T.alloc_shared((CHUNK, L_STRIDE), accum)
+            xh_s = T.alloc_shared((CHUNK, XH_STRIDE), half)
+            for _ in T.serial(2):
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    lx_s[i, j] = T.if_then_else(i > j, l[bx, i, j], T.cast(0, accum))
+                T.sync_threads()
+                T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"), tx, 1,
+                              T.address_of(stamps[bx, 0]))
+
+    return inverse_stamps
