@@ -26,10 +26,12 @@ def _gdn_lower(n: int, decay: float, dev) -> torch.Tensor:
 def test_inverse_probe_compiles_for_sm90a(mma):
     from tilelang import tvm
 
-    from flash_gdn.hopper.mma_inverse import build_inverse_probe
+    from flash_gdn.hopper.mma_inverse import build_inverse_probe, build_inverse_stamps
 
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
         source = build_inverse_probe(mma).get_kernel_source()
+        if mma:  # the clock64 probe too
+            assert "flash_gdn_inverse64(" in build_inverse_stamps().get_kernel_source()
     if mma:
         assert "flash_gdn_inverse64(" in source
         assert "mma.sync.aligned.m16n8k16" in source and "mma.sync.aligned.m16n8k8" in source
