@@ -37,6 +37,7 @@ import torch
 
 from ..planning import ChunkPlan, capturing, plan_for
 from .launch import Launcher, jit
+from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
@@ -59,6 +60,12 @@ SAVED_STATE_OUTPUTS = (True, True, False, True, False, False)
 EXPANDING = 1e30
 
 
+# The chunk inverse by ``mma_inverse`` (8x8 blocks by shuffles, doubling by mma.sync, in place in
+# shared memory) rather than ``tiles.blocked_unit_lower_inverse``: on an H200 this kernel is 1.4-3.4 %
+# faster in the forward's variant and 6.8-7.8 % with A_r written (docs/performance.md s38).
+MMA_INVERSE = True
+
+
 def with_inverse(outputs: tuple) -> tuple:
     """``outputs`` that also write A_r (a forward whose backward follows)."""
     return (True, *outputs[1:])
@@ -67,25 +74,29 @@ def with_inverse(outputs: tuple) -> tuple:
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
                      write_u: bool = True, write_au: bool = False, write_w: bool = True, write_bound: bool = False,
-                     read_inverse: bool = False):
+                     read_inverse: bool = False, mma_inverse: bool = MMA_INVERSE):
+    """``mma_inverse``: the chunk inverse by ``mma_inverse`` (else ``tiles.blocked_unit_lower_inverse``)."""
     return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w,
-                                       write_bound, read_inverse))
+                                       write_bound, read_inverse, mma_inverse))
 
 
 @jit
 def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, write_bound,
-                       read_inverse, threads=128):
+                       read_inverse, mma_inverse=MMA_INVERSE, threads=128):
     assert not (read_inverse and (write_inverse or write_bound)), "A_r is read or made, not both"
     # Where A_r itself is neither kept nor read (the forward-only variants, which write A_g alone),
     # the inverse is taken of the gated matrix: I + D L D^-1 = D (I + L) D^-1 with D = diag(e^gamma)
     # (DESIGN section 2), so its inverse is D A_r D^-1, (e^(gamma_i - gamma_j) A_r[i, j]), and
     # A_g = (D A_r D^-1) diag(beta). The pair decay's exponentials move into L's pass (where the
     # elements are scaled anyway) and the pass after the inverse is one multiply by beta_j: the
-    # merges' products are exactly zero above the diagonal (the substitution's columns start at
-    # their diagonal element; the masks keep blocks below it), so no select. D L D^-1 is no
+    # inverse is exactly zero above the diagonal (blocked: the substitution's columns start at
+    # their diagonal element and the masks keep blocks below it; mma_inverse: the 8x8 eliminations
+    # leave zeros above their diagonals and no level writes above the diagonal blocks, which keep
+    # L's zeros), so no select. D L D^-1 is no
     # larger than L element by element (exponents <= 0), so its fp16 copy for the merges is no
     # less accurate.
     gated = not write_inverse and not read_inverse and not write_w and not write_u
+    mma = mma_inverse and not read_inverse  # (reading A_r, no inverse is taken)
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -122,7 +133,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
         a_u_out: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
         log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+        with T.Kernel(num_chunks, num_v_heads, threads=threads, prelude=INVERSE64_PRELUDE if mma else None) as (
+                chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype) if write_u else None
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
@@ -132,13 +144,17 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             qqt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
-            # The blocked inverse's tiles; reading A_r, only diag16 (A_r's landing tile).
-            lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM) if not read_inverse else None
-            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF) if not read_inverse else None
+            # The inverse's tiles: mma_inverse's L (in place the inverse) and fp16 scratch, or the
+            # blocked inverse's; reading A_r, only diag16 (A_r's landing tile; also A_r's staging).
+            blocked = not read_inverse and not mma
+            lx_s = T.alloc_shared((CHUNK, L_STRIDE), ACCUM) if mma else None
+            xh_s = T.alloc_shared((CHUNK, XH_STRIDE), HALF) if mma else None
+            lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM) if blocked else None
+            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF) if blocked else None
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF) if not read_inverse else None
-            left = T.alloc_fragment((CHUNK, CHUNK), HALF) if not read_inverse else None
-            column = T.alloc_local((BLOCK,), ACCUM) if not read_inverse else None
+            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF) if blocked else None
+            left = T.alloc_fragment((CHUNK, CHUNK), HALF) if blocked else None
+            column = T.alloc_local((BLOCK,), ACCUM) if blocked else None
             inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
             a_w = T.alloc_shared((CHUNK, CHUNK), dtype) if write_w else None
@@ -240,7 +256,14 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 else:
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-                if not read_inverse:
+                if mma:  # L (zero on and above the diagonal) to shared memory, inverted there in place
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        lx_s[i, j] = kkt[i, j]
+                    T.sync_threads()
+                    T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"), tx, 1)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        inv[i, j] = lx_s[i, j]
+                elif not read_inverse:
                     blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
                     T.copy(inv, diag16)  # free after the first merge
