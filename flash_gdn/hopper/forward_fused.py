@@ -31,7 +31,8 @@ are masked to zero and their output rows are not written (as in the two-kernel f
 Status (v18, docs/performance.md): correct (tests/hopper/test_gpu_forward_fused.py), opt-in
 (``FLASH_GDN_FUSED=1``), and slower than the two-kernel forward: the state warpgroups alone
 take 2.6 us a chunk, the auxiliary one 5.6 (the inverse 1.7 of it), so the kernel runs at the
-auxiliary warpgroup's pace. Each product is waited for before the next step in both roles:
+auxiliary warpgroup's pace. (s38: the inverse by ``mma_inverse``, in place in shared memory; the
+kernel 5.25 us a chunk at 8/32 x 8192x4 on an H200, 1.5x the two-kernel forward.) Each product is waited for before the next step in both roles:
 with accumulators in flight across element-wise code, ptxas serialises every wgmma at these
 register counts.
 """
@@ -41,8 +42,8 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .tiles import (ACCUM, BLOCK, CHUNK, HALF, ROWS, pair_decay, stage_strict_lower, store_chunk_rows,
-                    unit_lower_inverse_staged)
+from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE
+from .tiles import ACCUM, CHUNK, HALF, ROWS, pair_decay, store_chunk_rows
 
 IN_STAGES = 3  # q, k, v tiles: the auxiliary warpgroup refills a stage a chunk after the state warpgroups free it
 AUX_STAGES = 2  # A_g, P^T and the factors
@@ -60,6 +61,7 @@ STATE_REGS = 192
 AUX_REGS = 120
 assert 2 * 128 * STATE_REGS + 128 * AUX_REGS <= THREAD_REGS * THREADS
 O_TILE_BARRIER = 12  # named barrier of the state warpgroups before the output tile is rewritten
+AUX_BARRIER = 13  # named barrier of the auxiliary warpgroup around the chunk inverse (mma_inverse)
 # Column factors the auxiliary warpgroup hands to the state warpgroups, per stage: rows of ``fac_s``.
 F_U, F_Q, F_K, F_DECAY = 0, 1, 2, 3
 
@@ -147,7 +149,7 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
         o: T.Tensor((tokens, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
-        with T.Kernel(num_seqs, num_v_heads, threads=THREADS) as (seq, head):
+        with T.Kernel(num_seqs, num_v_heads, threads=THREADS, prelude=INVERSE64_PRELUDE) as (seq, head):
             # The chunk's tiles (TMA, auxiliary -> everyone).
             q_s = T.alloc_shared((IN_STAGES, CHUNK, head_k), dtype)
             k_s = T.alloc_shared((IN_STAGES, CHUNK, head_k), dtype)
@@ -161,10 +163,9 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
-            lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM)
-            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            # L, inverted in place by mma_inverse, and its fp16 scratch.
+            lx_s = T.alloc_shared((CHUNK, L_STRIDE), ACCUM)
+            xh_s = T.alloc_shared((CHUNK, XH_STRIDE), HALF)
             # The state warpgroups' output tile (its TMA store).
             o_s = T.alloc_shared((CHUNK, head_v), dtype)
             # Arrivals: in_full, the auxiliary warpgroup (plus the TMA bytes); in_empty, the state
@@ -192,9 +193,6 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                 # each is consumed before the next starts, and registers are this role's limit.
                 acc = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
                 inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-                left = T.alloc_fragment((CHUNK, CHUNK), HALF)
-                column = T.alloc_local((BLOCK,), ACCUM)
-                row = T.alloc_local((BLOCK,), ACCUM)
                 gates = T.alloc_local((4,), ACCUM)
                 a_start = T.alloc_var("int32")
                 a_length = T.alloc_var("int32")
@@ -221,7 +219,8 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                     # L = SL(diag(beta r) K K^T diag(r)) (gate-free), staged for the inverse below.
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         acc[i, j] = T.Select(i > j, acc[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-                    stage_strict_lower(acc, lower_diag, lower16, diag16)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        lx_s[i, j] = acc[i, j]
                     # P^T = K Q^T, masked and scaled, to the state warpgroups.
                     T.gemm(k_s[c % IN_STAGES, :, :], q_s[c % IN_STAGES, :, :], acc, transpose_B=True, clear_accum=True)
                     for j, i in T.Parallel(CHUNK, CHUNK):
@@ -237,8 +236,11 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                             i < a_length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
                         fac_s[c % AUX_STAGES, F_DECAY, i] = T.__exp(gamma_last)  # read at 0; a row keeps one loop
                     # A_r = (I + L)^-1, then A_g = Gamma * A_r * beta_col.
-                    unit_lower_inverse_staged(acc, lower_diag, lower16, diag16, diag32, column, left, inv,
-                                              thread0=AUX_THREAD0, row=row)
+                    T.sync_threads(AUX_BARRIER, 128)  # L staged by every auxiliary thread
+                    T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"),
+                                  tx - AUX_THREAD0, AUX_BARRIER)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        inv[i, j] = lx_s[i, j]
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(
                             gamma_s[i], gamma_s[j])
