@@ -6,8 +6,8 @@ I + SL(B (K K^T * Gamma)) = D (I + SL(B K K^T)) D^-1. One CTA per (chunk, value 
 1. load the chunk's keys (rows past the chunk's end read as 0) and betas;
 2. K K^T on the tensor cores (fp32 accumulate);
 3. L = SL(B K K^T) in registers;
-4. the blocked inverse of ``tiles.blocked_unit_lower_inverse`` (16x16 diagonal blocks by
-   substitution, two tensor-core merges);
+4. the inverse of ``mma_inverse`` (8x8 diagonal blocks by shuffles, three doubling levels of
+   ``mma.sync`` products, in place in shared memory; docs/performance.md s38);
 5. rows of the chunk written to ``a_r[token, head, :]``; the chunk-local cumsum of g
    (gamma, fp32) is produced on the way, since it is indexed the same.
 
@@ -21,8 +21,8 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .tiles import (BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse,
-                    kernel_gate_dtype)
+from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE
+from .tiles import CHUNK, HALF, TL_DTYPE, kernel_gate_dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,21 +48,18 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
         a_r: T.Tensor((tokens, num_v_heads, CHUNK), accum),
         gamma: T.Tensor((tokens, num_v_heads), accum),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+        with T.Kernel(num_chunks, num_v_heads, threads=threads, prelude=INVERSE64_PRELUDE) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             beta_s = T.alloc_shared((CHUNK,), accum)
             g_s = T.alloc_shared((CHUNK,), accum)
             gamma_s = T.alloc_shared((CHUNK,), accum)
-            lower_diag = T.alloc_shared((CHUNK, BLOCK), accum)
-            lower16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            diag32 = T.alloc_shared((CHUNK, CHUNK), HALF)
-            left = T.alloc_fragment((CHUNK, CHUNK), HALF)
-            column = T.alloc_local((BLOCK,), accum)
+            lx_s = T.alloc_shared((CHUNK, L_STRIDE), accum)  # L, inverted in place
+            xh_s = T.alloc_shared((CHUNK, XH_STRIDE), HALF)
             inv = T.alloc_fragment((CHUNK, CHUNK), accum)
             kkt = T.alloc_fragment((CHUNK, CHUNK), accum)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
+            tx = T.get_thread_binding()
 
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
@@ -74,7 +71,12 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.if_then_else(i > j, kkt[i, j], T.cast(0, accum)) * beta_s[i]  # (no load inside the select: no branch)
-                blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    lx_s[i, j] = kkt[i, j]
+                T.sync_threads()
+                T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"), tx, 1)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    inv[i, j] = lx_s[i, j]
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i < length:
