@@ -241,14 +241,17 @@ def test_exponentials_flush_denormals(tmp_path):
 @pytest.mark.parametrize("outputs", ["FORWARD_OUTPUTS", "FORWARD_CP_OUTPUTS"])
 def test_forward_prepare_inverts_the_gated_matrix(outputs):
     """The forward-only prepare_wu variants (A_r neither kept nor read) take the inverse of the
-    gated L, so the pair decay's exponentials are in L's pass, before the substitution, and the
-    pass after the merges has none: A_g = inv diag(beta)."""
+    gated L, so the pair decay's exponentials are in L's pass, before the inverse, and the pass
+    after it has none: A_g = inv diag(beta)."""
     from tilelang import tvm
 
     from flash_gdn.hopper import prepare_wu
 
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
         source = prepare_wu.build_prepare_wu(128, 128, "bfloat16", "float32", *getattr(prepare_wu, outputs)).get_kernel_source()
-    substitution = source.index("* column[j]")  # the diagonal blocks' substitution (its chain)
+    # Where the inverse starts: mma_inverse's call in the kernel body (the default), else the
+    # blocked inverse's substitution chain.
+    call = source.find("flash_gdn_inverse64((")
+    inverse = call if call >= 0 else source.index("* column[j]")
     assert source.count("__expf(") > 0
-    assert source.rindex("__expf(") < substitution, "an exponential after the inverse"
+    assert source.rindex("__expf(") < inverse, "an exponential after the inverse"
