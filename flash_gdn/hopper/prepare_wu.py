@@ -61,8 +61,8 @@ EXPANDING = 1e30
 
 
 # The chunk inverse by ``mma_inverse`` (8x8 blocks by shuffles, doubling by mma.sync, in place in
-# shared memory) rather than ``tiles.blocked_unit_lower_inverse``: on an H200 this kernel is 1.4-3.4 %
-# faster in the forward's variant and 6.8-7.8 % with A_r written (docs/performance.md s38).
+# shared memory) rather than ``tiles.blocked_unit_lower_inverse``: on an H200 this kernel is 1.6-3.4 %
+# faster in the forward's variant and 6.7-8.4 % with A_r written (docs/performance.md s38).
 MMA_INVERSE = True
 
 
@@ -266,7 +266,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 elif not read_inverse:
                     blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
-                    T.copy(inv, diag16)  # free after the first merge
+                    T.copy(inv, diag16)  # (free by now: the blocked inverse's is after its first merge)
                     # Not waited for here (the A_g store below, or the wait at the end, waits for it):
                     # waiting held the CTA for the store's read of shared memory, +40 % on the
                     # forward's variant (H200, 16/32 x 1x32768). diag16 stays live until then (the
