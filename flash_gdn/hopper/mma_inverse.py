@@ -1,10 +1,12 @@
-"""The chunk inverse (I + L)^-1 by one warpgroup in a few dependent steps (a building block; probe).
+"""The chunk inverse (I + L)^-1 by one warpgroup in a few dependent steps.
 
+Used by ``prepare_wu`` (``MMA_INVERSE``), ``kkt_solve`` and the fused forward's auxiliary
+warpgroup; ``build_inverse_probe`` and ``build_inverse_stamps`` time it (``scripts/inverse_probe.py``).
 For the fused forward (docs/performance.md v18, s38) the auxiliary warpgroup must produce a chunk's
-inverse within the state warpgroups' ~2.2 us a chunk; ``tiles.blocked_unit_lower_inverse`` takes
+inverse within the state warpgroups' ~2.2 us a chunk; ``tiles.blocked_unit_lower_inverse`` took
 ~1.7 us there (64 threads' column substitution over 16x16 diagonal blocks, then two merges as full
 64x64 wgmma products of which the masks keep a quarter). This one is a CUDA device function
-(``INVERSE64_PRELUDE``) for one warpgroup, written for short dependent chains:
+(``INVERSE64_PRELUDE``) for one warpgroup, written for short dependent chains (H200: 0.67 us):
 
 0. the eight 8x8 diagonal blocks by row elimination in fp32, one row a lane (two warps' worth of
    lanes, mirrored in the other lanes), the pivot rows by width-8 shuffles: 7 steps;
@@ -14,7 +16,8 @@ inverse within the state warpgroups' ~2.2 us a chunk; ``tiles.blocked_unit_lower
    16x16 block, m16n8k16), 32 -> 64 (a warp per 8 columns of the 32x32 block, two k-steps each).
    The first product's accumulator becomes the second's B operand by shuffles within the warp, so
    no level writes an intermediate to shared memory; each level's result is written (fp32 to the
-   output, fp16 for the next level's operands), then one warpgroup barrier.
+   output, fp16 for the next level's operands), then a warpgroup barrier (a warp sync after the
+   8x8 blocks, whose band the next level's warp owns).
 
 In place, in shared memory (row-major, rows padded against bank conflicts): L fp32 [64][L_STRIDE],
 zero on and above the diagonal, becomes the fp32 inverse; an fp16 scratch [64][XH_STRIDE] holds the
