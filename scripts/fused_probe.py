@@ -52,11 +52,10 @@ def patched_source(switches: dict) -> str:
                       aux + "T.mbarrier_wait_parity(aux_full[c % AUX_STAGES], (c // AUX_STAGES) % 2)\n"
                       + aux + "if DEBUG.get('state', True):\n")
     inner = aux + "    "
-    s = _guard(s, inner + "T.call_extern(\"handle\", \"flash_gdn_inverse64\",", "inv")
+    s = _guard(s, inner + "invert_staged(lx_s,", "inv")
     s = _guard(s, inner + "T.gemm(k_s[c % IN_STAGES, :, :], q_s[c % IN_STAGES, :, :], acc", "pt")
     s = _guard(s, inner + "T.gemm(k_s[c % IN_STAGES, :, :], k_s[c % IN_STAGES, :, :], acc", "kkt")
-    s = _indent_block(s, inner + "for i, j in T.Parallel(CHUNK, CHUNK):\n" + inner + "    lx_s[i, j] = acc[i, j]",
-                      inner + "# P^T = K Q^T", inner + "if DEBUG.get('stage', True):\n")
+    s = _guard(s, inner + "stage_lower(acc,", "stage")
     s = _guard(s, inner + "T.copy(inv, au_s[", "ag")
     fac = inner + "for i in T.Parallel(CHUNK):\n" + inner + "    fac_s[c % AUX_STAGES, F_U, i]"
     assert fac in s

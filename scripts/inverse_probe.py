@@ -4,6 +4,7 @@ SM's one warpgroup inverts its matrix 64 times one after another (latency, as in
 warpgroup). ``python3 scripts/inverse_probe.py``"""
 import torch
 
+from kernel_probe import call_time_us
 from flash_gdn.hopper.mma_inverse import build_inverse_probe
 
 
@@ -14,16 +15,6 @@ def gdn_lower(n: int, decay: float, dev) -> torch.Tensor:
     gamma = torch.cumsum(-decay * torch.rand(n, 64, device=dev, dtype=torch.float64), dim=-1)
     a = beta * (k @ k.transpose(-1, -2)) * torch.exp(gamma[:, :, None] - gamma[:, None, :])
     return torch.tril(a, -1)
-
-
-def events_us(fn, reps=20):
-    fn(); torch.cuda.synchronize()
-    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record(); torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps * 1000
 
 
 if __name__ == "__main__":
@@ -41,12 +32,12 @@ if __name__ == "__main__":
             torch.cuda.synchronize()
             err = (x.double() - ref).norm() / ref.norm()
             worst = (x.double() - ref).abs().max().item()
-            us = events_us(lambda: kernel(l32, x))
+            us = call_time_us(lambda: kernel(l32, x), batches=2)
             name = "mma_inverse" if mma else "blocked (tiles)"
             # throughput: 16 CTAs per SM in the grid (as many resident as fit), each repeating
             many = l32.repeat(16, 1, 1).contiguous()
             xm = torch.empty_like(many)
-            us_many = events_us(lambda: kernel(many, xm), reps=5)
+            us_many = call_time_us(lambda: kernel(many, xm))
             per_sm = 16 * repeats
             print(f"decay {decay:4.1f} {name:16s} rel err {err:.2e} max abs {worst:.2e} nan {bool(x.isnan().any())}"
                   f" | latency {us / repeats:5.3f} us an inverse; throughput {us_many / per_sm:5.3f} us of SM time each", flush=True)

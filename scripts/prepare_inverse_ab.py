@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, "scripts")
 from profile_kernels import row_inputs  # noqa: E402
 
+from flash_gdn.bench.timing import graph_time_ms  # noqa: E402
 from flash_gdn.hopper.prepare_wu import (FORWARD_OUTPUTS, build_prepare_wu, launch_prepare, prepare_buffers,  # noqa: E402
                                          flat_inputs, with_inverse)
 from flash_gdn.planning import plan_for  # noqa: E402
@@ -17,18 +18,8 @@ from flash_gdn.validation import Problem  # noqa: E402
 
 
 def graph_us(fn, iters=20, copies=10):
-    fn(); torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(copies):
-            fn()
-    graph.replay(); torch.cuda.synchronize()
-    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record(); torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters / copies * 1000
+    """us per call of ``fn``: ``copies`` calls captured in one CUDA graph, ``iters`` replays."""
+    return graph_time_ms(lambda: [fn() for _ in range(copies)], iters) * 1000 / copies
 
 
 for spec in sys.argv[1:]:

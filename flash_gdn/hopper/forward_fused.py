@@ -31,10 +31,10 @@ are masked to zero and their output rows are not written (as in the two-kernel f
 Status (v18, docs/performance.md): correct (tests/hopper/test_gpu_forward_fused.py), opt-in
 (``FLASH_GDN_FUSED=1``), and slower than the two-kernel forward: the state warpgroups alone
 take 2.6 us a chunk, the auxiliary one 5.6 (the inverse 1.7 of it), so the kernel runs at the
-auxiliary warpgroup's pace. (s38: the inverse by ``mma_inverse``, in place in shared memory; the
-kernel 5.25 us a chunk at 8/32 x 8192x4 on an H200, 1.5x the two-kernel forward.) Each product is waited for before the next step in both roles:
-with accumulators in flight across element-wise code, ptxas serialises every wgmma at these
-register counts.
+auxiliary warpgroup's pace. (s38: the inverse by ``mma_inverse``, in place in shared memory;
+the kernel 5.25 us a chunk at 8/32 x 8192x4 on an H200, 1.5x the two-kernel forward.) Each
+product is waited for before the next step in both roles: with accumulators in flight across
+element-wise code, ptxas serialises every wgmma at these register counts.
 """
 
 import functools
@@ -42,7 +42,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE
+from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE, invert_staged, stage_lower
 from .tiles import ACCUM, CHUNK, HALF, ROWS, pair_decay, store_chunk_rows
 
 IN_STAGES = 3  # q, k, v tiles: the auxiliary warpgroup refills a stage a chunk after the state warpgroups free it
@@ -219,8 +219,7 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                     # L = SL(diag(beta r) K K^T diag(r)) (gate-free), staged for the inverse below.
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         acc[i, j] = T.Select(i > j, acc[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        lx_s[i, j] = acc[i, j]
+                    stage_lower(acc, lx_s)
                     # P^T = K Q^T, masked and scaled, to the state warpgroups.
                     T.gemm(k_s[c % IN_STAGES, :, :], q_s[c % IN_STAGES, :, :], acc, transpose_B=True, clear_accum=True)
                     for j, i in T.Parallel(CHUNK, CHUNK):
@@ -237,10 +236,7 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                         fac_s[c % AUX_STAGES, F_DECAY, i] = T.__exp(gamma_last)  # read at 0; a row keeps one loop
                     # A_r = (I + L)^-1, then A_g = Gamma * A_r * beta_col.
                     T.sync_threads(AUX_BARRIER, 128)  # L staged by every auxiliary thread
-                    T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"),
-                                  tx - AUX_THREAD0, AUX_BARRIER)
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        inv[i, j] = lx_s[i, j]
+                    invert_staged(lx_s, xh_s, inv, tx - AUX_THREAD0, AUX_BARRIER)
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(
                             gamma_s[i], gamma_s[j])

@@ -21,7 +21,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE
+from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE, mma_unit_lower_inverse
 from .tiles import CHUNK, HALF, TL_DTYPE, kernel_gate_dtype
 
 
@@ -59,7 +59,6 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
             kkt = T.alloc_fragment((CHUNK, CHUNK), accum)
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
-            tx = T.get_thread_binding()
 
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
@@ -71,12 +70,7 @@ def _kkt_solve_kernel(head_k, dtype, gate_dtype, threads):
                 T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.if_then_else(i > j, kkt[i, j], T.cast(0, accum)) * beta_s[i]  # (no load inside the select: no branch)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    lx_s[i, j] = kkt[i, j]
-                T.sync_threads()
-                T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"), tx, 1)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    inv[i, j] = lx_s[i, j]
+                mma_unit_lower_inverse(kkt, lx_s, xh_s, inv)
 
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     if i < length:

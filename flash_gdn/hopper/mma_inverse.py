@@ -224,6 +224,32 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar, int64_
 """ % dict(ls=L_STRIDE, xhs=XH_STRIDE)
 
 
+@T.macro
+def stage_lower(strict, lx_s):
+    """L (a 64x64 fp32 fragment, zero on and above the diagonal) into the inverse's padded tile."""
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        lx_s[i, j] = strict[i, j]
+
+
+@T.macro
+def invert_staged(lx_s, xh_s, inv, thread, barrier):
+    """inv = (I + L)^-1 for L staged in ``lx_s`` and visible to the whole warpgroup (the caller's
+    barrier): inverted in place (``flash_gdn_inverse64``, which ends with the warpgroup's named
+    barrier ``barrier``; ``thread``: the thread's index within the warpgroup), then into ``inv``."""
+    T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"), thread, barrier)
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        inv[i, j] = lx_s[i, j]
+
+
+@T.macro
+def mma_unit_lower_inverse(strict, lx_s, xh_s, inv):
+    """inv = (I + L)^-1 for L in the fragment ``strict``, in a CTA of one warpgroup (128 threads):
+    staged, a CTA barrier, inverted (named barrier 1)."""
+    stage_lower(strict, lx_s)
+    T.sync_threads()
+    invert_staged(lx_s, xh_s, inv, T.get_thread_binding(), 1)
+
+
 @functools.lru_cache(maxsize=None)
 def build_inverse_probe(mma: bool, repeats: int = 32):
     """Probe kernel: each CTA (one warpgroup, one per SM) loads its matrix of ``l`` [n, 64, 64] fp32

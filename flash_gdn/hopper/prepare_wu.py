@@ -37,7 +37,7 @@ import torch
 
 from ..planning import ChunkPlan, capturing, plan_for
 from .launch import Launcher, jit
-from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE
+from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE, mma_unit_lower_inverse
 from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
 
 
@@ -257,12 +257,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
                 if mma:  # L (zero on and above the diagonal) to shared memory, inverted there in place
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        lx_s[i, j] = kkt[i, j]
-                    T.sync_threads()
-                    T.call_extern("handle", "flash_gdn_inverse64", lx_s.access_ptr("rw"), xh_s.access_ptr("rw"), tx, 1)
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        inv[i, j] = lx_s[i, j]
+                    mma_unit_lower_inverse(kkt, lx_s, xh_s, inv)
                 elif not read_inverse:
                     blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
                 if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)

@@ -114,29 +114,18 @@ def unit_lower_inverse_staged(
     column: T.LocalBuffer((BLOCK,), ACCUM),
     left: T.FragmentBuffer((CHUNK, CHUNK), HALF),
     inv: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
-    thread0=0,
-    row=None,
 ):
     """Steps 1 and 2 of ``blocked_unit_lower_inverse`` from L staged by ``stage_strict_lower``;
-    ``scratch`` holds the merges' products. ``thread0``: the first thread of the warpgroup that
-    runs this (a warp-specialised kernel's role). ``row`` (a local [16] fp32 buffer): the substitution
-    reads each row of a diagonal block by vector loads into it first, instead of element by
-    element inside its chain."""
-    tx = T.get_thread_binding() - thread0
+    ``scratch`` holds the merges' products."""
+    tx = T.get_thread_binding()
     if tx < CHUNK:
         base = (tx // BLOCK) * BLOCK
         col = tx % BLOCK
         for i in T.unroll(BLOCK):
             column[i] = T.if_then_else(i == col, T.cast(1, ACCUM), T.cast(0, ACCUM))
         for i in T.unroll(1, BLOCK):
-            if row is None:
-                for j in T.unroll(i):
-                    column[i] -= lower_diag[base + i, j] * column[j]
-            else:  # the row by 16-byte loads, ahead of the chain (a latency-bound warpgroup's choice)
-                for j in T.vectorized(BLOCK):
-                    row[j] = lower_diag[base + i, j]
-                for j in T.unroll(i):
-                    column[i] -= row[j] * column[j]
+            for j in T.unroll(i):
+                column[i] -= lower_diag[base + i, j] * column[j]
         for i in T.unroll(BLOCK):
             diag16[base + i, base + col] = T.cast(column[i], HALF)
 
