@@ -31,7 +31,7 @@ def _use_stages(stages):
     """The backward's sequential kernels built with ``stages`` = (chunk_states', state_grads')
     pipeline stages."""
     backward.build_chunk_states = lambda *a: build_chunk_states(*a, num_stages=stages[0])
-    backward.build_state_grads = lambda *a: build_state_grads(*a, num_stages=stages[1])
+    backward.build_state_grads = lambda *a, **kw: build_state_grads(*a, num_stages=stages[1], **kw)
 
 
 def per_kernel(step, iters=3):

@@ -15,7 +15,10 @@ underfill the GPU, with the forward's segments: ``chunk_states`` runs over segme
 scanned segment start states; ``state_grads`` is linear in its incoming gradient with the
 transposed transition (dS_start = M^T dS_end + b), so a first pass over every segment from
 zero gives b, a reverse scan gives each segment's dS_end, and a second pass writes dh and
-dV_new.
+dV_new. Where gates decay (``truncate_opted``), both directions truncate as the forward does:
+the recomputed states' transitions at a segment's last chunks (the forward scan takes h alone),
+the state gradients' at its first chunks (the first pass walks only those, the reverse scan
+takes b alone); ``segment_state`` forms M only where a scan reads it (docs/performance.md s39).
 
 ``chunk_states`` and the state-gradient pass read none of each other's outputs (the state
 gradients need Q, K, W, dO and the local dV, not h or V_new), so when the chunk states are
@@ -46,7 +49,7 @@ from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, factors_buffer, flat_inputs,
-                         launch_prepare, prepare_buffers)
+                         launch_prepare, prepare_buffers, with_bound)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
@@ -56,6 +59,12 @@ from .wy_grads import build_wy_grads
 
 
 CONCURRENT_CHUNK_STATES = True  # chunk_states beside the state-gradient pass (off: one stream)
+
+
+def truncate_opted() -> bool:
+    """CP's segment passes truncated where gates decay (segment_state's windows at both ends of a
+    segment); ``FLASH_GDN_CP_TRUNCATE=0``: exact transitions, every M computed and scanned."""
+    return env_get("FLASH_GDN_CP_TRUNCATE", "1") != "0"
 _gradient_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -215,7 +224,7 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
     # inverse, or nothing.
     source = ("states", prepared.plan.segments is not None) if prepared is not None else "a_r" in saved
     key = (problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None, source, q.device,
-           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"))
+           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_TRUNCATE"))
     config = _CONFIGS.get(key)
     if config is None:
         config = BackwardConfig(problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None,
@@ -276,12 +285,17 @@ class BackwardConfig:
         self.seg_target = segment_target(2 * hv, dev) if self.seg_chunks is not None else 0
         # Reads the chunk inverse where the forward kept it (saved["a_r"]), else solves for it.
         self.outputs = BACKWARD_OUTPUTS if "a_r" not in saved else BACKWARD_FROM_INVERSE_OUTPUTS
+        # CP truncated where gates decay (truncate_opted; needs prepare_wu's log bounds, so not with
+        # the saved chunk states, whose transitions stay exact).
+        self.truncate = self.cp and self.prepare and truncate_opted()
+        if self.truncate:
+            self.outputs = with_bound(self.outputs)
         self.kept_size: int | None = None  # bytes of the buffers a call keeps (``kept_buffers``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
         cp, block_v, recompute = self.cp, self.block_v, self.recompute
         builders = _kernel_builders(dk, dv, tl_dtype, gate_tl, has_h0, has_dht, cp, block_v, self.prepare, recompute,
-                                    self.outputs)
+                                    self.outputs, self.truncate)
         # Compiled side by side at the first use (``prebuild``), with the varlen chunk map's kernels.
         key = ("backward", dk, dv, tl_dtype, gate_tl, index_tl, self.prepare, self.outputs, recompute, cp, has_h0,
                has_dht, block_v)
@@ -342,12 +356,13 @@ class BackwardConfig:
                                       None if kept is None else kept.factors)
             launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
             qf, kf, vf, _, bf = flat
-            w, a_u, gamma, a_r = buffers.w, buffers.a_u, buffers.gamma, buffers.a_r
+            w, a_u, gamma, a_r, log_bound = buffers.w, buffers.a_u, buffers.gamma, buffers.a_r, buffers.log_bound
             q_norm_inv, k_norm_inv = buffers.q_norm_inv, buffers.k_norm_inv
             del flat, buffers
         else:
             prep = saved["prepared"]
             qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, None, prep.gamma, prep.a_r
+            log_bound = None
             q_norm_inv, k_norm_inv = prep.q_norm_inv, prep.k_norm_inv
             del prep
         dof = _as(do.reshape(tokens, hv, dv), dtype).contiguous()
@@ -371,6 +386,11 @@ class BackwardConfig:
             run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
             b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
             ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
+        unread_bound, trunc_flags = no_truncation(dev)
+        if self.truncate:  # (segment_state writes every slot's flags)
+            trunc_flags = torch.empty(capacity, hv, dtype=torch.int32, device=dev)
+        else:
+            log_bound = unread_bound
         dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if kept is None else kept.dv_local
         dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev) if kept is None else kept.dh
         dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
@@ -400,30 +420,31 @@ class BackwardConfig:
             if segs is None:
                 # (a kernel compiled without dht does not read it: dh0 stands in)
                 kernels.state_grads(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs,
-                                    dh0 if dht32 is None else dht32, scale, dh, dv_new, dh0)
+                                    dh0 if dht32 is None else dht32, scale, dh, dv_new, dh0, log_bound)
             else:
                 use(main)
                 _segment_transitions(kernels.transitions, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state,
-                                     recompute)
+                                     recompute, log_bound, trunc_flags)
                 if grads is not None:
                     transitions_ready.record(main)
                 use(grads)
                 # dS_start = M^T dS_end + b over a segment (context_parallel.py): b from zero, a reverse
                 # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
-                # (it overwrites the first pass's).
+                # (it overwrites the first pass's). Truncated, b comes from a segment's leading window
+                # where it has one, and the scan takes b alone there (segment_state's flags).
                 kernels.state_grads(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs, b, scale, dh,
-                                    dv_new, b)
+                                    dv_new, b, log_bound)
                 if grads is not None:
                     grads.wait_event(transitions_ready)
-                kernels.reverse_scan(seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32,
-                                     no_truncation(dev)[1], ds_end)
+                kernels.reverse_scan(seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, trunc_flags,
+                                     ds_end)
                 kernels.state_grads_incoming(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs, ds_end,
-                                             scale, dh, dv_new, b)
+                                             scale, dh, dv_new, b, unread_bound)
             use(main)
             if recompute:
                 if segs is not None:
                     kernels.forward_scan(seg_state, seg_state, segs.seg_meta, run_init if h0 is None else h0,
-                                         no_truncation(dev)[1], run_init)
+                                         trunc_flags, run_init)
                 if grads is not None:
                     main.wait_event(local_dv_done)
                 init = h0 if segs is None else run_init
@@ -496,31 +517,34 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v, prepare, recompute,
-                     outputs) -> BackwardKernels:
+                     outputs, truncate=False) -> BackwardKernels:
     """``BackwardKernels`` of zero-argument builders (None: not launched): the one place that
-    picks the backward's variants. ``outputs``: the prepare_wu variant."""
+    picks the backward's variants. ``outputs``: the prepare_wu variant; ``truncate``: CP's
+    transitions, scans and first state-gradient pass truncated where gates decay."""
     return BackwardKernels(
         prepare=(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs)) if prepare else None,
         local_dv=lambda: build_local_dv(dk, dv, tl_dtype),
         # Kernels compiled without an initial state / dht do not read that argument.
         chunk_states=(lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v)) if recompute else None,
-        state_grads=lambda: build_state_grads(dk, dv, tl_dtype, has_dht and not cp, block_v),
+        state_grads=lambda: build_state_grads(dk, dv, tl_dtype, has_dht and not cp, block_v, window=truncate),
         state_grads_incoming=(lambda: build_state_grads(dk, dv, tl_dtype, True, block_v)) if cp else None,
-        transitions=(lambda: build_segment_state(dk, dv, tl_dtype, recompute)) if cp else None,
-        reverse_scan=(lambda: build_segment_scan(dk, dv, has_dht, reverse=True)) if cp else None,
-        forward_scan=(lambda: build_segment_scan(dk, dv, has_h0)) if cp and recompute else None,
+        transitions=((lambda: build_segment_state(dk, dv, tl_dtype, recompute, truncate=truncate,
+                                                  reverse_window=truncate)) if cp else None),
+        reverse_scan=(lambda: build_segment_scan(dk, dv, has_dht, reverse=True, truncated=truncate)) if cp else None,
+        forward_scan=(lambda: build_segment_scan(dk, dv, has_h0, truncated=truncate)) if cp and recompute else None,
         wy_grads=lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
         qk_grads=lambda: build_qk_grads(dk, dv, tl_dtype),
     )
 
 
-def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute):
-    """[h | M] of every segment into ``seg_state`` (all of them: the reverse scan needs each M
-    but the first's). Recomputing, U = A_g V is formed in the kernel. With saved chunk states
-    only M is needed and A_g was not kept: the variant that reads U runs with W (same shape,
-    K = V) in its place, and the h columns come out meaningless and unread."""
+def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, log_bound,
+                         trunc_flags):
+    """[h | M] of every segment into ``seg_state`` (the reverse scan needs each M but the
+    first's; truncated, only those the scans read, and ``trunc_flags`` says which). Recomputing,
+    U = A_g V is formed in the kernel. With saved chunk states only M is needed and A_g was not
+    kept: the variant that reads U runs with W (same shape, K = V) in its place, and the h
+    columns come out meaningless and unread."""
     sources = transition_sources(v=vf, a_u=a_u) if recompute else transition_sources(u=w)
-    log_bound, trunc_flags = no_truncation(kf.device)  # exact transitions: the reverse scan needs every M
     kernel(kf, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags)
 
 

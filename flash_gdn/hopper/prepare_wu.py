@@ -48,7 +48,8 @@ from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inver
 # reads W and also needs A_r, which a forward run for a backward keeps (``with_inverse``: the
 # chunk inverse is most of this kernel's work, so the backward then reads A_r instead of
 # solving again, ``read_inverse``); the forward that saves its chunk states runs
-# ``state_output``, which reads U and W, and keeps A_r and W for the backward. The launch code
+# ``state_output``, which reads U and W, and keeps A_r and W for the backward; the backward with
+# CP bounds the transitions too (its segment passes truncate where gates decay). The launch code
 # and the prebuild lists (forward_builders, backward._kernel_builders, variants) all take these.
 FORWARD_OUTPUTS = (False, False, True, False, False, False)
 FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
@@ -71,6 +72,11 @@ def with_inverse(outputs: tuple) -> tuple:
     return (True, *outputs[1:])
 
 
+def with_bound(outputs: tuple) -> tuple:
+    """``outputs`` that also write the transitions' log bounds (the backward with CP)."""
+    return (*outputs[:4], True, outputs[5])
+
+
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
                      write_u: bool = True, write_au: bool = False, write_w: bool = True, write_bound: bool = False,
@@ -83,7 +89,7 @@ def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, writ
 @jit
 def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, write_bound,
                        read_inverse, mma_inverse=MMA_INVERSE, threads=128):
-    assert not (read_inverse and (write_inverse or write_bound)), "A_r is read or made, not both"
+    assert not (read_inverse and write_inverse), "A_r is read or made, not both"
     # Where A_r itself is neither kept nor read (the forward-only variants, which write A_g alone),
     # the inverse is taken of the gated matrix: I + D L D^-1 = D (I + L) D^-1 with D = diag(e^gamma)
     # (DESIGN section 2), so its inverse is D A_r D^-1, (e^(gamma_i - gamma_j) A_r[i, j]), and
@@ -203,7 +209,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                     beta_r = T.cast(beta[start + tx, head], ACCUM)
                     g_r = T.cast(g[start + tx, head], ACCUM)
                 T.mbarrier_wait_parity(k_ready, 0)
-                if not read_inverse:
+                if not read_inverse or write_bound:
                     T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
                 elif normalize != 0:  # only for the norms of k (its diagonal)
                     T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
@@ -228,6 +234,13 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 # between registers and the shared-memory factors multiply outside it: a select with a
                 # load in an operand compiles to a branch per element (64 for this one loop).
                 if read_inverse:
+                    if write_bound:
+                        # No L is formed here, so the bound's test (below) takes K K^T's diagonal
+                        # itself: beta_i |k_hat_i|^2 within [0, 2] for every row.
+                        for i, j in T.Parallel(CHUNK, CHUNK):
+                            if i == j:
+                                if beta_s[i] < 0 or beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[i] > 2:
+                                    expands[0] = 1
                     T.mbarrier_wait_parity(ar_ready, 0)
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         inv[i, j] = T.cast(diag16[i, j], ACCUM)

@@ -19,9 +19,12 @@ bf16 rounding and the bf16 rounding of the remainder, x ~ x_hi + x_lo with
 The dropped M_lo S_lo and the roundings are ~2^-16 of |M| |S|: about 1e-5 relative per
 step, far below the bf16 rounding of the kernels' inputs.
 
-``truncated`` (the forward): where ``segment_state`` truncated a segment's transition
-(``trunc_flags[seg, head]`` = 1), M_s is zero to its tolerance and not computed, so the step is
-S_start[s + 1] = h_s: neither M_s's load nor its split nor the products.
+``truncated``: where ``segment_state`` truncated a segment's transition (``trunc_flags[seg,
+head]`` has ``TRAILING``), M_s is zero to its tolerance and not computed, so the step is
+S_start[s + 1] = h_s: neither M_s's load nor its split nor the products. Reverse (the
+backward's scan of state gradients), the bit is ``LEADING``: the segment's first chunks shrink
+every gradient by e^LOG_NEGLIGIBLE, ``state_grads``' first pass took b_s over those chunks
+alone, and the step is dS_end[s - 1] = b_s.
 """
 
 import functools
@@ -29,6 +32,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
+from .segment_state import LEADING, TRAILING
 from .tiles import ACCUM, ROWS
 
 BLOCK_COLS = 32
@@ -67,6 +71,16 @@ def _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse):
     T.gemm(m_hi, s_hi, state, transpose_A=reverse, policy=ROWS)
 
 
+def _step_seg(first, count, j, reverse):
+    """The segment whose transition step ``j`` of a sequence's scan applies."""
+    return first + count - 1 - j if reverse else first + j
+
+
+def _reads_m(trunc_flags, seg, head, truncated, bit):
+    """Whether the step of ``seg`` reads its M (a Python True where nothing is truncated)."""
+    return True if not truncated else T.bitwise_and(trunc_flags[seg, head], bit) == 0
+
+
 @jit
 def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, truncated, threads=THREADS):
     """Forward: out[first] = init, out[s + 1] = M_s out[s] + off_s (first segment to last).
@@ -82,7 +96,7 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, trun
     num_v_heads = T.dynamic("num_v_heads")
     init_rows = T.dynamic("init_rows")
     flag_segs, flag_heads = T.dynamic("flag_segs"), T.dynamic("flag_heads")
-    assert not (truncated and reverse), "truncation is the forward's"
+    bit = LEADING if reverse else TRAILING  # the trunc_flags bit of this direction's window
 
     @T.prim_func
     def segment_scan(
@@ -94,61 +108,79 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, trun
         out: T.Tensor((num_segs_total, num_v_heads, head_k, head_v), ACCUM),
     ):
         with T.Kernel(num_seqs, head_v // BLOCK_COLS, num_v_heads, threads=threads) as (seq, cb, head):
-            # M_s and off_s do not depend on the state: the next step's arrive by TMA while this
-            # step's products run (one fp32 stage; split into bf16 halves from shared memory).
+            # M_s and off_s do not depend on the state: they arrive by TMA while earlier steps run,
+            # M (one fp32 stage, split into bf16 halves from shared memory) a step ahead, the
+            # offsets (two stages) two steps ahead, so that a step whose M is not read (truncated)
+            # waits for no load.
             m_f = T.alloc_shared((head_k, head_k), ACCUM)
-            off_f = T.alloc_shared((head_k, BLOCK_COLS), ACCUM)
+            off_f = T.alloc_shared((2, head_k, BLOCK_COLS), ACCUM)
             m_hi = T.alloc_shared((head_k, head_k), SPLIT)
             m_lo = T.alloc_shared((head_k, head_k), SPLIT)
             s_hi = T.alloc_shared((head_k, BLOCK_COLS), SPLIT)
             s_lo = T.alloc_shared((head_k, BLOCK_COLS), SPLIT)
             state = T.alloc_fragment((head_k, BLOCK_COLS), ACCUM)
-            loaded = T.alloc_barrier(threads)
+            m_ready = T.alloc_barrier(threads)  # completes once a step (M's bytes where it is read)
+            off_ready = T.alloc_barrier([threads, threads])
             first = T.alloc_var("int32")
             count = T.alloc_var("int32")
             seg = T.alloc_var("int32")
+            nxt = T.alloc_var("int32")
+            reads = T.alloc_var("int32") if truncated else None  # this step reads its M (flag bit clear)
             col = cb * BLOCK_COLS
 
             first = seg_meta[seq, 0]
             count = seg_meta[seq, 1]
-            if count > 1:  # the first step's operands
-                seg = first + count - 1 if reverse else first
-                if not truncated or trunc_flags[seg, head] == 0:
-                    T.tma_copy(seg_state[seg, head, 0:head_k, head_v:head_v + head_k], m_f, barrier=loaded)
-                T.tma_copy(offsets[seg, head, 0:head_k, col:col + BLOCK_COLS], off_f, barrier=loaded)
-                T.barrier_arrive(loaded)
+            if count > 1:  # the first step's operands, and the second's offsets
+                seg = _step_seg(first, count, 0, reverse)
+                if _reads_m(trunc_flags, seg, head, truncated, bit):
+                    T.tma_copy(seg_state[seg, head, 0:head_k, head_v:head_v + head_k], m_f, barrier=m_ready)
+                T.barrier_arrive(m_ready)
+                T.tma_copy(offsets[seg, head, 0:head_k, col:col + BLOCK_COLS], off_f[0, :, :], barrier=off_ready[0])
+                T.barrier_arrive(off_ready[0])
+                if count > 2:
+                    nxt = _step_seg(first, count, 1, reverse)
+                    T.tma_copy(offsets[nxt, head, 0:head_k, col:col + BLOCK_COLS], off_f[1, :, :], barrier=off_ready[1])
+                    T.barrier_arrive(off_ready[1])
             if has_initial:
                 T.copy(init[seq, head, 0:head_k, col:col + BLOCK_COLS], state)
             else:
                 T.clear(state)
             T.copy(state, out[first + count - 1 if reverse else first, head, 0:head_k, col:col + BLOCK_COLS])
             for j in T.serial(count - 1):
-                seg = first + count - 1 - j if reverse else first + j  # the segment whose step this is
-                for i, c in T.Parallel(head_k, BLOCK_COLS):
-                    s_hi[i, c] = _hi(state[i, c])
-                    s_lo[i, c] = _lo(state[i, c])
-                T.mbarrier_wait_parity(loaded, j % 2)
-                if not truncated or trunc_flags[seg, head] == 0:
+                seg = _step_seg(first, count, j, reverse)
+                if truncated:
+                    reads = T.if_then_else(_reads_m(trunc_flags, seg, head, truncated, bit), 1, 0)
+                if not truncated or reads != 0:
+                    for i, c in T.Parallel(head_k, BLOCK_COLS):
+                        s_hi[i, c] = _hi(state[i, c])
+                        s_lo[i, c] = _lo(state[i, c])
+                T.mbarrier_wait_parity(m_ready, j % 2)
+                if not truncated or reads != 0:
                     for i, k in T.Parallel(head_k, head_k):
                         m_hi[i, k] = _hi(m_f[i, k])
                         m_lo[i, k] = _lo(m_f[i, k])
-                T.copy(off_f, state)
-                # The stage is free: every thread's reads of it are done (barrier), then the proxy
-                # fence orders them before the next step's TMA writes.
+                T.mbarrier_wait_parity(off_ready[j % 2], (j // 2) % 2)
+                T.copy(off_f[j % 2, :, :], state)
+                # M's stage and this offsets stage are free: every thread's reads of them are done
+                # (barrier), then the proxy fence orders them before the TMA writes.
                 T.sync_threads()
                 T.fence_proxy_async()
                 if j < count - 2:
-                    if not truncated or trunc_flags[seg + 1, head] == 0:
-                        T.tma_copy(seg_state[seg - 1 if reverse else seg + 1, head, 0:head_k, head_v:head_v + head_k],
-                                   m_f, barrier=loaded)
-                    T.tma_copy(offsets[seg - 1 if reverse else seg + 1, head, 0:head_k, col:col + BLOCK_COLS], off_f,
-                               barrier=loaded)
-                    T.barrier_arrive(loaded)
+                    nxt = _step_seg(first, count, j + 1, reverse)
+                    if _reads_m(trunc_flags, nxt, head, truncated, bit):
+                        T.tma_copy(seg_state[nxt, head, 0:head_k, head_v:head_v + head_k], m_f, barrier=m_ready)
+                    T.barrier_arrive(m_ready)
+                if j < count - 3:
+                    nxt = _step_seg(first, count, j + 2, reverse)
+                    T.tma_copy(offsets[nxt, head, 0:head_k, col:col + BLOCK_COLS], off_f[j % 2, :, :],
+                               barrier=off_ready[j % 2])
+                    T.barrier_arrive(off_ready[j % 2])
                 # state <- off + M_lo S_hi + M_hi S_lo + M_hi S_hi (small terms first; M^T in reverse).
                 # From a zero initial state the first step is off alone: the forward's transition
                 # pass does not compute a first segment's M then (``skip_first_m``).
-                # (Where the transition was truncated, M_s is zero to its tolerance: the step is h_s.)
-                if not truncated or trunc_flags[seg, head] == 0:
+                # (Where the transition was truncated, M_s is zero to its tolerance: the step is h_s,
+                # or b_s in reverse.)
+                if not truncated or reads != 0:
                     if has_initial or reverse:
                         _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
                     elif j > 0:

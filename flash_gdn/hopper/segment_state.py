@@ -32,6 +32,13 @@ head]`` = 1 tells ``segment_scan`` that M is zero. Heads whose gates decay slowl
 all) find no window and keep the exact [h | M]. Strongly decaying heads (e.g. gates of
 logsigmoid(N(0, 1)) per token, ~-51 a chunk) need one chunk instead of the whole segment.
 
+``reverse_window`` (the backward, with ``truncate``): the backward's reverse scan needs M_s^T
+as well (dS_start = M_s^T dS_end + b_s), unless the segment's *first* w chunks shrink every
+state gradient by e^LOG_NEGLIGIBLE, in which case dS_start is b over those w chunks alone
+(``leading_window``; ``state_grads``' ``window`` pass finds the same window from the same
+bounds). M is then computed unless both windows exist, and ``trunc_flags[seg, head]`` holds
+``TRAILING`` | ``LEADING`` for the window found at each end.
+
 V-major, as ``state_output_vmajor``: with X a block of [h | M], the CTA holds X^T [64, K] in
 fp32 registers and feeds its bf16 copy to wgmma as the A operand, so neither X nor
 U - W X goes through shared memory:
@@ -66,18 +73,43 @@ from .tiles import ACCUM, CHUNK, ROWS
 
 WINDOW_CHUNKS = 8  # the longest truncation window (the shortest CP segments have 8 chunks)
 LOG_NEGLIGIBLE = -20.0  # log of the largest factor a truncated state part may carry (e^-20 ~ 2.1e-9)
+# trunc_flags bits: a window at the segment's end (the forward scan takes h_s alone) and one at its
+# start (the backward's reverse scan takes b_s alone).
+TRAILING, LEADING = 1, 2
+
+
+@T.macro
+def leading_window(log_bound, head, first_chunk, seg_chunks, bounds, bound_sum, window):
+    """``window[0]`` = the number of the segment's first chunks whose transition bounds sum to
+    LOG_NEGLIGIBLE or less, the fewest that do (0: none within WINDOW_CHUNKS). The bounds are
+    loaded at once (indices clamped into the tensor; those past the segment are not summed).
+    ``bounds``: WINDOW_CHUNKS fp32 registers; ``bound_sum``, ``window``: one fp32 and one int32
+    register (``T.alloc_local((1,), ..)``: stores through a macro's arguments)."""
+    for t in T.unroll(WINDOW_CHUNKS):
+        bounds[t] = log_bound[head, T.max(T.min(first_chunk + t, log_bound.shape[1] - 1), 0)]
+    window[0] = 0
+    bound_sum[0] = T.cast(0, ACCUM)
+    for t in T.unroll(WINDOW_CHUNKS):
+        if window[0] == 0 and t < seg_chunks:
+            bound_sum[0] = bound_sum[0] + bounds[t]
+            if bound_sum[0] <= LOG_NEGLIGIBLE:
+                window[0] = t + 1
 
 
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
-                        truncate: bool = False, form_w: bool = False, num_stages: int = 2):
+                        truncate: bool = False, form_w: bool = False, num_stages: int = 2,
+                        reverse_window: bool = False):
     """Arguments: ``(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state,
     trunc_flags)``; without ``truncate`` the last-but-two and the last are not touched (any
     small buffer: ``no_truncation``); with ``form_w`` (which needs ``form_u``: A_g) ``w`` is not
-    read (any small buffer)."""
+    read (any small buffer). ``reverse_window`` (needs ``truncate``): the backward's flags."""
     if form_w and not form_u:
         raise ValueError("segment_state: form_w needs form_u (W S is formed from K and A_g)")
-    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages))
+    if reverse_window and (not truncate or skip_first_m):
+        raise ValueError("segment_state: reverse_window needs truncate, and every M (not skip_first_m)")
+    return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages,
+                                          reverse_window))
 
 
 def no_truncation(device) -> tuple:
@@ -97,7 +129,7 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 
 @jit
-def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages):
+def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages, reverse_window):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -159,6 +191,8 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
             bound_sum = T.alloc_var(ACCUM) if truncate else None
             window = T.alloc_var("int32") if truncate else None
             seg_chunks = T.alloc_var("int32") if truncate else None
+            lead = T.alloc_local((1,), "int32") if reverse_window else None
+            lead_sum = T.alloc_local((1,), ACCUM) if reverse_window else None
             # 96 KB of shared memory (K = 128): two CTAs per SM.
             T.annotate_min_blocks_per_sm(2)
             T.annotate_producer_reg_dealloc(24)
@@ -190,14 +224,26 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
                         bound_sum = bound_sum + bounds[t]
                         if bound_sum <= LOG_NEGLIGIBLE:
                             window = t + 1
+                if reverse_window:  # (before the window below moves first_chunk)
+                    leading_window(log_bound, head, first_chunk, seg_chunks, bounds, lead_sum, lead)
                 if window > 0:
                     if cb >= h_blocks:
-                        seg_end = seg_start  # M is zero to this tolerance: nothing to do, nothing written
+                        # M is zero to this tolerance for the forward scan; the reverse scan needs
+                        # it unless the leading window lets it take b_s alone.
+                        if reverse_window:
+                            if lead[0] > 0:
+                                seg_end = seg_start
+                        else:
+                            seg_end = seg_start  # nothing to do, nothing written
                     else:  # h over the window alone (segments before a sequence's last have whole chunks)
                         seg_start = seg_end - window * CHUNK
                         first_chunk = first_chunk + seg_chunks - window
                 if cb == 0 and T.get_thread_binding() == 0:
-                    trunc_flags[seg, head] = T.if_then_else(window > 0, 1, 0)
+                    if reverse_window:
+                        trunc_flags[seg, head] = (T.if_then_else(window > 0, TRAILING, 0)
+                                                  + T.if_then_else(lead[0] > 0, LEADING, 0))
+                    else:
+                        trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING, 0)
             # X^T = 0 for h, the identity's columns (= its rows) for M.
             for c, i in T.Parallel(block_cols, head_k):
                 state_t[c, i] = T.if_then_else(cb >= h_blocks and i == m_col + c, T.cast(1, ACCUM), T.cast(0, ACCUM))

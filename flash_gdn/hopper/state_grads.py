@@ -14,6 +14,13 @@ they are cheapest: E on the rows of the K dS' accumulator, scale D on the rows o
 (block_v wide, not K). K dS' is issued asynchronously before dh is stored; the two dS
 products are issued back to back and dV_new is stored while they run.
 
+With context parallelism the first pass runs every segment from dS = 0 for its b (the start
+gradient its own tokens give, context_parallel.py). ``window`` (that pass, where the backward
+truncates): where the segment's first w <= 8 chunks shrink every state gradient by
+e^LOG_NEGLIGIBLE (``segment_state.leading_window`` over ``prepare_wu``'s log bounds, the
+window ``segment_state`` flags for the reverse scan), b is taken over those w chunks alone:
+the part dropped is at most e^-20 times the gradient where they end.
+
 dS starts at dht (the final state's gradient) or 0 and ends as dh0. Rows past the
 sequence's end are masked out of M, D and E, so the next sequence's dO never leaks in.
 Columns of dS, dO and dV_new go together, so splitting V over CTAs is exact.
@@ -24,6 +31,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
+from .segment_state import WINDOW_CHUNKS, leading_window
 from .tiles import ACCUM, CHUNK, store_chunk_rows
 
 
@@ -42,21 +50,26 @@ def sequential_stages(block_v: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def build_state_grads(head_k: int, head_v: int, dtype: str, has_dht: bool, block_v: int | None = None,
-                      num_stages: int | None = None):
-    """``num_stages``: TMA pipeline depth (default ``sequential_stages``)."""
+                      num_stages: int | None = None, window: bool = False):
+    """``num_stages``: TMA pipeline depth (default ``sequential_stages``). Arguments ``(q, k, w,
+    do, dv_local, gamma, q_norm_inv, k_norm_inv, seg_info, dht, scale, dh, dv_new, dh0,
+    log_bound)``; ``log_bound`` is read only with ``window`` (else any small fp32 buffer)."""
     block_v = block_v or head_v
     stages = num_stages or sequential_stages(block_v)
-    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, stages))
+    if window and has_dht:
+        raise ValueError("state_grads: the window pass starts from zero (no dht)")
+    return Launcher(_state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, stages, window))
 
 
 @jit
-def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
+def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages, window):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
     threads = 128 * max(1, block_v // 64)
+    bound_heads, bound_chunks = T.dynamic("bound_heads"), T.dynamic("bound_chunks")
 
     @T.prim_func
     def state_grads(
@@ -74,6 +87,7 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
         dh: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
         dv_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
         dh0: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
     ):
         with T.Kernel(num_seqs, head_v // block_v, num_v_heads, threads=threads) as (seq, v_block, head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
@@ -102,6 +116,9 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
             decay = T.alloc_var(ACCUM)
             qk_head = T.alloc_var("int32")
             sink = T.alloc_var(dtype)
+            bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM) if window else None
+            lead_sum = T.alloc_local((1,), ACCUM) if window else None
+            lead = T.alloc_local((1,), "int32") if window else None
 
             # The TMA producer warp group needs few registers; the consumers hold dS and dV_new.
             T.annotate_producer_reg_dealloc(24)
@@ -111,6 +128,11 @@ def _state_grads_kernel(head_k, head_v, dtype, has_dht, block_v, num_stages):
             seq_start = seq_info[seq, 0]
             seq_end = seq_info[seq, 1]
             first_chunk = seq_info[seq, 2]
+            if window:  # b over the segment's leading window alone, where it has one
+                leading_window(log_bound, head, first_chunk, T.ceildiv(seq_end - seq_start, CHUNK), bounds, lead_sum,
+                               lead)
+                if lead[0] > 0:
+                    seq_end = T.min(seq_end, seq_start + lead[0] * CHUNK)
             num_seq_chunks = T.ceildiv(seq_end - seq_start, CHUNK)
             if has_dht:
                 for i, j in T.Parallel(head_k, block_v):

@@ -15,7 +15,7 @@ from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS,
-                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_inverse)
+                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_bound, with_inverse)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -28,8 +28,10 @@ from .state_output_vmajor import build_state_output_vmajor
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
 # The forward's outputs alone (inference) and with A_r kept for a backward (training).
+# The backward's with CP also bound the transitions (backward.truncate_opted).
 PREPARE_OUTPUTS = (FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, with_inverse(FORWARD_OUTPUTS), with_inverse(FORWARD_CP_OUTPUTS),
-                   BACKWARD_OUTPUTS, BACKWARD_FROM_INVERSE_OUTPUTS, SAVED_STATE_OUTPUTS)
+                   BACKWARD_OUTPUTS, BACKWARD_FROM_INVERSE_OUTPUTS, SAVED_STATE_OUTPUTS, with_bound(BACKWARD_OUTPUTS),
+                   with_bound(BACKWARD_FROM_INVERSE_OUTPUTS))
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -45,18 +47,20 @@ def kernel_builders(head_dim: int, dtype: str):
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
     # skip_first_m: the forward's without an initial state. truncate and form_w: the default
-    # forward's (form_u); the saved-state forward's (not form_u) and the backward's are exact
-    # and read W.
-    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr},form_w={fw}]",
-                  lambda fu=fu, skip=skip, tr=tr, fw=fw: build_segment_state(d, d, dtype, fu, skip, tr, fw))
-                 for fu, skip, tr, fw in ((True, False, True, True), (True, True, True, True),  # the default forward
-                                          (False, False, False, False), (False, True, False, False),  # saved-state fwd
-                                          (True, False, False, False))]  # the backward recomputing (saved: F, F, F, F)
+    # forward's (form_u); the saved-state forward's (not form_u) and the backward's read W; the
+    # backward's truncate with both windows (reverse_window) when it recomputes (exact with
+    # FLASH_GDN_CP_TRUNCATE=0 or the saved chunk states).
+    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr},form_w={fw},reverse_window={rw}]",
+                  lambda fu=fu, skip=skip, tr=tr, fw=fw, rw=rw: build_segment_state(d, d, dtype, fu, skip, tr, fw,
+                                                                                   reverse_window=rw))
+                 for fu, skip, tr, fw, rw in ((True, False, True, True, False), (True, True, True, True, False),  # forward
+                                              (False, False, False, False, False), (False, True, False, False, False),
+                                              # the backward recomputing (saved: all False)
+                                              (True, False, True, False, True), (True, False, False, False, False))]
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
         builders += [(f"segment_scan[init={init},reverse={rev},truncated={tr}]",
                       lambda init=init, rev=rev, tr=tr: build_segment_scan(d, d, init, rev, tr))
-                     for init, rev, tr in itertools.product((False, True), (False, True), (False, True))
-                     if not (rev and tr)]
+                     for init, rev, tr in itertools.product((False, True), (False, True), (False, True))]
     # The forward's output pass; state_output only in the mode that writes the chunk states.
     # in_place: with CP (always an initial state, the segment states).
     builders += [(f"state_output[{dtype},h0={h0},in_place={ip}]",
@@ -97,6 +101,10 @@ def backward_kernel_builders(head_dim: int, dtype: str):
     builders += [(f"state_grads[{dtype},dht={dht},bv={bv}]",
                   lambda dht=dht, bv=bv: build_state_grads(d, d, dtype, dht, bv))
                  for dht, bv in itertools.product((False, True), blocks)]
+    # CP's first pass over the segments' leading windows (backward.truncate_opted), at CP's column block.
+    cp_block = min(d, STATE_BLOCKS[-1])
+    builders.append((f"state_grads[{dtype},dht=False,bv={cp_block},window=True]",
+                     lambda: build_state_grads(d, d, dtype, False, cp_block, window=True)))
     builders += [(f"wy_grads[{dtype},{gd}]", lambda gd=gd: build_wy_grads(d, d, dtype, gd))
                  for gd in sorted({"float32", dtype})]
     builders.append((f"local_dv[{dtype}]", lambda: build_local_dv(d, d, dtype)))

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-2
 
 
-def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero_decay_heads=1):
+def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero_decay_heads=1, g=None):
     dev = "cuda"
     t, n = sum(lengths), len(lengths)
     q = torch.randn(1, t, hqk, d, device=dev)
@@ -26,8 +26,9 @@ def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero
     if not l2:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     v = torch.randn(1, t, hv, d, device=dev)
-    g = -(gate[0] + (gate[1] - gate[0]) * torch.rand(1, t, hv, device=dev))
-    g[..., :zero_decay_heads] = 0.0
+    if g is None:
+        g = -(gate[0] + (gate[1] - gate[0]) * torch.rand(1, t, hv, device=dev))
+        g[..., :zero_decay_heads] = 0.0
     beta = torch.rand(1, t, hv, device=dev)
     do = torch.randn(1, t, hv, d, device=dev)
     q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
@@ -76,6 +77,36 @@ def test_context_parallel_backward_stages_match_reference(monkeypatch, seg_chunk
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
     got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, l2=l2, h0=h0_dht, dht=h0_dht, gate=(0.0, 20.0),
                           zero_decay_heads=2)
+    _assert_stages_match(got, ref, real)
+
+
+@pytest.mark.parametrize("h0_dht", [True, False])
+def test_truncated_context_parallel_backward_windows_at_either_end(monkeypatch, h0_dht):
+    """CP over 4-chunk segments with gates that decay in some chunks only, so that segments
+    have a window at their end only (the forward scan takes h alone, the reverse one needs M),
+    at their start only (the reverse scan takes b over that chunk, the forward one needs M), at
+    both or at neither; random gates and a zero-decay head beside them. Every stage's output
+    against the fp64 chunked backward."""
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "4")
+    lengths = [1024, 0, 640, 300]  # whole chunks but the last sequence's (segments from each start)
+    hv = 8
+    # Per head, which chunk positions within a 4-chunk segment decay (by e^-64 each).
+    patterns = [(0, 1, 2, 3), (3,), (0,), (1, 2), (), (0, 3), None, None]  # None: random gates
+    g = -3.0 * torch.rand(1, sum(lengths), hv, device="cuda")
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    for head, pattern in enumerate(patterns):
+        if pattern is None:
+            continue
+        for seq in range(len(lengths)):
+            pos = torch.arange(lengths[seq], device="cuda")
+            decays = torch.zeros(lengths[seq], dtype=torch.bool, device="cuda")
+            for c in pattern:
+                decays |= (pos // 64) % 4 == c
+            g[0, starts[seq]:starts[seq + 1], head] = torch.where(decays, -1.0, 0.0)
+    g[..., 7] = 0.0
+    got, ref, real = _run(lengths, 2, hv, 128, h0=h0_dht, dht=h0_dht, g=g)
     _assert_stages_match(got, ref, real)
 
 

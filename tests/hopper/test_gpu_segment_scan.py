@@ -5,7 +5,7 @@ import torch
 
 from flash_gdn.hopper.context_parallel import segment_initial_states
 from flash_gdn.hopper.segment_scan import build_segment_scan
-from flash_gdn.hopper.segment_state import no_truncation
+from flash_gdn.hopper.segment_state import LEADING, TRAILING, no_truncation
 from flash_gdn.planning import plan_segments
 from tests.gpu_helpers import poisoned
 from tests.helpers import random_cu_seqlens, rel_err
@@ -51,10 +51,12 @@ def test_truncated_scan_steps_are_h_alone(has_h0):
     segs = plan_segments(1, sum(lengths), cu, torch.device("cuda"), seg_chunks=2)
     hv, d = 3, 128
     seg_state = _transitions(segs.seg_info.shape[0], hv, d, d)
-    flags = torch.randint(0, 2, (seg_state.shape[0], hv), device="cuda", dtype=torch.int32)
+    # (The backward's flags also carry LEADING, which the forward scan must ignore.)
+    flags = torch.randint(0, 4, (seg_state.shape[0], hv), device="cuda", dtype=torch.int32)
+    trailing = (flags & TRAILING).bool()
     reference_state = seg_state.clone()
-    reference_state[..., d:][flags.bool()] = 0.0  # what the flags stand for
-    seg_state[..., d:][flags.bool()] = float("nan")  # never computed: must not be read
+    reference_state[..., d:][trailing] = 0.0  # what the flags stand for
+    seg_state[..., d:][trailing] = float("nan")  # never computed: must not be read
     h0 = torch.randn(len(lengths), hv, d, d, device="cuda", dtype=torch.float64) if has_h0 else None
     expected = segment_initial_states(reference_state, segs, h0, d)
     with poisoned():
@@ -88,3 +90,31 @@ def test_reverse_scan_kernel_matches_loop(has_dht):
         for s in range(first + count - 1, first - 1, -1):
             assert rel_err(out[s], want) <= 1e-4, (n, s)
             want = seg_state[s, ..., d:].transpose(-1, -2) @ want + b[s]
+
+
+@pytest.mark.parametrize("has_dht", [False, True])
+def test_truncated_reverse_scan_steps_are_b_alone(has_dht):
+    """Where ``trunc_flags`` has LEADING, the reverse step is out[s - 1] = b_s and M_s (poison
+    here) is not read; TRAILING alone changes nothing in reverse."""
+    lengths = [3000, 0, 129, 1, 700]
+    cu = random_cu_seqlens(lengths, device="cuda")
+    segs = plan_segments(1, sum(lengths), cu, torch.device("cuda"), seg_chunks=2)
+    hv, d = 2, 128
+    seg_state = _transitions(segs.seg_info.shape[0], hv, d, d)
+    flags = torch.randint(0, 4, (seg_state.shape[0], hv), device="cuda", dtype=torch.int32)
+    leading = (flags & LEADING).bool()
+    seg_state[..., d:][leading] = float("nan")
+    b = torch.randn(seg_state.shape[0], hv, d, d, device="cuda", dtype=torch.float64)
+    dht = torch.randn(len(lengths), hv, d, d, device="cuda", dtype=torch.float64) if has_dht else None
+    with poisoned():
+        out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
+        build_segment_scan(d, d, has_dht, reverse=True, truncated=True)(
+            seg_state.float(), b.float(), segs.seg_meta, (dht if has_dht else out).float(), flags, out)
+    for n in range(len(lengths)):
+        first, count = int(segs.first_seg[n]), int(segs.num_segs[n])
+        want = dht[n] if has_dht else torch.zeros(hv, d, d, device="cuda", dtype=torch.float64)
+        for s in range(first + count - 1, first - 1, -1):
+            assert torch.isfinite(out[s]).all(), (n, s)
+            assert rel_err(out[s], want) <= 1e-4, (n, s)
+            step = seg_state[s, ..., d:].transpose(-1, -2) @ want
+            want = torch.where(leading[s][:, None, None], b[s], step + b[s])

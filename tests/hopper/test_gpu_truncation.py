@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from flash_gdn import chunk_gated_delta_rule
-from flash_gdn.hopper.prepare_wu import FORWARD_CP_OUTPUTS, run_prepare, unused_buffer
-from flash_gdn.hopper.segment_state import build_segment_state, transition_sources
+from flash_gdn.hopper.prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, run_prepare,
+                                         unused_buffer, with_bound, with_inverse)
+from flash_gdn.hopper.segment_state import LEADING, TRAILING, build_segment_state, transition_sources
 from flash_gdn.reference import naive_recurrence
 from flash_gdn.validation import Problem
 from tests.gpu_helpers import poisoned
@@ -62,6 +63,64 @@ def test_transition_windows_follow_gates_and_keys():
         assert torch.equal(flags[s], expected), (s, flags[s].tolist())
     # Each head's h over its window: finite, and for heads with a window its M is never written.
     assert torch.isfinite(seg_state[:segments - 1, :, :, :d]).all()
+
+
+# Per value head of the backward's windows: which of a segment's 16 chunks decay (by e^-64 each;
+# the others not at all), and the trunc_flags bits expected: a window at the end (TRAILING) needs
+# the last chunk, one at the start (LEADING) the first.
+BACKWARD_HEADS = [
+    (range(16), TRAILING | LEADING),
+    (range(0), 0),
+    (range(8, 16), TRAILING),  # the first half does not decay: no leading window within 8 chunks
+    (range(0, 8), LEADING),
+    ((0, 15), TRAILING | LEADING),
+    ((7,), LEADING),  # the window's longest: 8 chunks
+    ((8,), TRAILING),  # 8 chunks from the end
+    ((1, 14), TRAILING | LEADING),
+]
+
+
+@pytest.mark.parametrize("from_inverse", [False, True])
+def test_backward_windows_at_both_ends(from_inverse):
+    """The backward's transitions (``reverse_window``): the flags name the window at each end of
+    a segment, M is computed wherever a scan reads it (finite) and nowhere else (the poison
+    stays), and prepare_wu bounds the transitions alike whether it solves for A_r or reads it."""
+    segments, hqk, hv, d = 3, 2, len(BACKWARD_HEADS), 128
+    t = segments * SEG_CHUNKS * 64
+    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    g = torch.zeros(1, SEG_CHUNKS * segments, 64, hv, device="cuda")
+    for head, (decaying, _) in enumerate(BACKWARD_HEADS):
+        for s in range(segments):
+            for c in decaying:
+                g[0, s * SEG_CHUNKS + c, :, head] = -1.0
+    g = g.reshape(1, t, hv)
+    beta = 0.9 * torch.rand(1, t, hv, device="cuda")
+    problem = Problem(1, t, hqk, hv, d, d, 1, d ** -0.5)
+    a_r = None
+    if from_inverse:  # the training forward's A_r, read by the backward's prepare_wu
+        a_r = run_prepare(q, k, v, g, beta, problem, None, False, SEG_CHUNKS, with_inverse(FORWARD_CP_OUTPUTS)).a_r
+    outputs = with_bound(BACKWARD_FROM_INVERSE_OUTPUTS if from_inverse else BACKWARD_OUTPUTS)
+    prep = run_prepare(q, k, v, g, beta, problem, None, False, SEG_CHUNKS, outputs, a_r=a_r)
+    segs = prep.plan.segments
+    capacity = segs.seg_info.shape[0]
+    with poisoned():
+        seg_state = torch.full((capacity, hv, d, 2 * d), float("nan"), device="cuda")
+        flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
+        build_segment_state(d, d, "bfloat16", True, truncate=True, reverse_window=True)(
+            prep.k, prep.w, *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
+            segs.seg_info, prep.log_bound, seg_state, flags)
+    expected = torch.tensor([bits for _, bits in BACKWARD_HEADS], dtype=torch.int32, device="cuda")
+    for s in range(segments):  # (the backward's transitions include each sequence's last segment)
+        assert torch.equal(flags[s], expected), (s, flags[s].tolist())
+        assert torch.isfinite(seg_state[s, :, :, :d]).all()
+        for head, (_, bits) in enumerate(BACKWARD_HEADS):
+            m = seg_state[s, head, :, d:]
+            if bits == TRAILING | LEADING:
+                assert torch.isnan(m).all(), (s, head)  # neither scan reads it: not computed
+            else:
+                assert torch.isfinite(m).all(), (s, head)
 
 
 @pytest.mark.parametrize("h0", [False, True])
