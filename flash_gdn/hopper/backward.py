@@ -65,6 +65,8 @@ def truncate_opted() -> bool:
     """CP's segment passes truncated where gates decay (segment_state's windows at both ends of a
     segment); ``FLASH_GDN_CP_TRUNCATE=0``: exact transitions, every M computed and scanned."""
     return env_get("FLASH_GDN_CP_TRUNCATE", "1") != "0"
+
+
 _gradient_streams: dict[int, torch.cuda.Stream] = {}
 
 
