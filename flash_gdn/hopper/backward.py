@@ -1,9 +1,10 @@
 """Hopper backward launcher.
 
 ``backward_stages`` runs prepare_wu (W, A_g, A_r, gamma, inverse norms), ``chunk_states`` (every
-chunk's start state h and V_new, forming U = A_g V), ``local_dv`` (the state-free part of dV_new),
-``state_grads`` (every chunk's end-state gradient dh,
-dV_new and dh0), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
+chunk's start state h and V_new, forming U = A_g V), ``state_grads_roles`` (every chunk's
+end-state gradient dh, dV_new and dh0, forming the state-free part of dV_new, M^T dO, in a
+producer warpgroup; with ``FLASH_GDN_STATE_GRADS_ROLES=0`` the chunk-parallel ``local_dv`` writes
+M^T dO and the pipelined ``state_grads`` reads it), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
 ``qk_grads`` (dq and dk summed over each group of value heads with the L2 norm's backward,
 and dg). ``hopper_backward`` puts the results in the caller's dtypes and state layout.
 No host synchronisation. The decisions below and the kernels of a configuration are made once
@@ -24,8 +25,8 @@ takes b alone); ``segment_state`` forms M only where a scan reads it (docs/perfo
 gradients need Q, K, W, dO and the local dV, not h or V_new), so when the chunk states are
 recomputed the two run side by side, joined before wy_grads, the first reader of h. Each
 alone underfills the GPU when sequences x heads are few; together they share it. The
-gradient chain (local_dv, then state_grads) runs on a second stream and chunk_states waits
-for local_dv: local_dv is chunk-parallel and fills the GPU, so beside chunk_states (one
+gradient chain (the state-gradient passes, and local_dv before them where it runs) runs on a
+second stream, and chunk_states waits for local_dv where it runs: local_dv is chunk-parallel and fills the GPU, so beside chunk_states (one
 wave of CTAs or less) it ran on the SMs left over, at up to twice its time, and delayed
 state_grads, the longer of the two sequential passes, by as much (docs/performance.md, s27).
 The second stream is forked from and joined to the caller's, so a CUDA-graph capture
@@ -54,6 +55,7 @@ from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_grads import build_state_grads
+from .state_grads_roles import build_state_grads_roles
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 from .wy_grads import build_wy_grads
 
@@ -65,6 +67,13 @@ def truncate_opted() -> bool:
     """CP's segment passes truncated where gates decay (segment_state's windows at both ends of a
     segment); ``FLASH_GDN_CP_TRUNCATE=0``: exact transitions, every M computed and scanned."""
     return env_get("FLASH_GDN_CP_TRUNCATE", "1") != "0"
+
+
+def roles_opted() -> bool:
+    """The state-gradient passes form M^T dO themselves (``state_grads_roles``: a producer
+    warpgroup beside the state warpgroups, no ``local_dv`` pass); ``FLASH_GDN_STATE_GRADS_ROLES=0``:
+    ``local_dv`` and the pipelined ``state_grads``."""
+    return env_get("FLASH_GDN_STATE_GRADS_ROLES", "1") != "0"
 
 
 _gradient_streams: dict[int, torch.cuda.Stream] = {}
@@ -174,7 +183,7 @@ class BackwardKernels(NamedTuple):
     """The kernels one backward configuration launches (None: not launched)."""
 
     prepare: Launcher | None  # None: the forward saved what it writes (save_chunk_states)
-    local_dv: Launcher
+    local_dv: Launcher | None  # None: the state-gradient passes form M^T dO (roles_opted)
     chunk_states: Launcher | None  # None: the forward saved the chunk states
     state_grads: Launcher  # without CP the one pass; with CP the first, from a zero gradient
     state_grads_incoming: Launcher | None  # CP: the second pass, from each segment's end gradient
@@ -226,7 +235,8 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
     # inverse, or nothing.
     source = ("states", prepared.plan.segments is not None) if prepared is not None else "a_r" in saved
     key = (problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None, source, q.device,
-           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_TRUNCATE"))
+           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_TRUNCATE"),
+           env_get("FLASH_GDN_STATE_GRADS_ROLES"))
     config = _CONFIGS.get(key)
     if config is None:
         config = BackwardConfig(problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None,
@@ -244,13 +254,14 @@ class _Kept(NamedTuple):
     """What a backward keeps between calls (``_KEPT``): ``prepare_wu``'s gate and norm factors
     (one ``factors_buffer``; None where the forward saved them), every chunk's start state and
     V_new (None unless recomputing), dh, the local dV (dK_wy's buffer once the state
-    gradients have read it: K = V) and dgamma_wy."""
+    gradients have read it: K = V; None with ``roles_opted``, where no local dV is written and
+    dK_wy, allocated once W is freed, does not live through the call's peak) and dgamma_wy."""
 
     factors: torch.Tensor | None
     h: torch.Tensor | None
     v_new: torch.Tensor | None
     dh: torch.Tensor
-    dv_local: torch.Tensor
+    dv_local: torch.Tensor | None
     dgamma_wy: torch.Tensor
 
 
@@ -292,15 +303,16 @@ class BackwardConfig:
         self.truncate = self.cp and self.prepare and truncate_opted()
         if self.truncate:
             self.outputs = with_bound(self.outputs)
+        self.roles = roles_opted()
         self.kept_size: int | None = None  # bytes of the buffers a call keeps (``kept_buffers``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
         cp, block_v, recompute = self.cp, self.block_v, self.recompute
         builders = _kernel_builders(dk, dv, tl_dtype, gate_tl, has_h0, has_dht, cp, block_v, self.prepare, recompute,
-                                    self.outputs, self.truncate)
+                                    self.outputs, self.truncate, self.roles)
         # Compiled side by side at the first use (``prebuild``), with the varlen chunk map's kernels.
         key = ("backward", dk, dv, tl_dtype, gate_tl, index_tl, self.prepare, self.outputs, recompute, cp, has_h0,
-               has_dht, block_v)
+               has_dht, block_v, self.roles)
         plan_builders = [lambda: build_sequence_prefix(index_tl), build_cut_pieces] if self.prepare and index_tl else []
         build_together(key, lambda: [b for b in builders if b is not None] + plan_builders)
         self.kernels = BackwardKernels(*(None if build is None else build() for build in builders))
@@ -334,8 +346,8 @@ class BackwardConfig:
         if self.recompute:
             h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
             v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        return _Kept(factors, h, v_new, torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev),
-                     torch.empty(tokens, hv, dv, dtype=dtype, device=dev),
+        dv_local = None if self.roles else torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+        return _Kept(factors, h, v_new, torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev), dv_local,
                      torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev))
 
     def run(self, q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved: dict, intermediates: bool):
@@ -393,7 +405,11 @@ class BackwardConfig:
             trunc_flags = torch.empty(capacity, hv, dtype=torch.int32, device=dev)
         else:
             log_bound = unread_bound
-        dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if kept is None else kept.dv_local
+        # The local dV (M^T dO) where local_dv writes it; the roles kernels form it themselves.
+        dv_local = None
+        if kernels.local_dv is not None:
+            dv_local = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if kept is None else kept.dv_local
+        local = () if dv_local is None else (dv_local,)  # (the state-gradient kernels' extra argument)
         dh = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev) if kept is None else kept.dh
         dv_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
         scale = p.scale
@@ -416,12 +432,13 @@ class BackwardConfig:
 
         try:
             use(grads)
-            kernels.local_dv(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, scale, dv_local)
-            if grads is not None:
-                local_dv_done.record(grads)
+            if dv_local is not None:
+                kernels.local_dv(qf, kf, dof, gamma, q_norm_inv, k_norm_inv, plan.chunk_bounds, scale, dv_local)
+                if grads is not None:
+                    local_dv_done.record(grads)
             if segs is None:
                 # (a kernel compiled without dht does not read it: dh0 stands in)
-                kernels.state_grads(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs,
+                kernels.state_grads(qf, kf, w, dof, *local, gamma, q_norm_inv, k_norm_inv, runs,
                                     dh0 if dht32 is None else dht32, scale, dh, dv_new, dh0, log_bound)
             else:
                 use(main)
@@ -434,20 +451,20 @@ class BackwardConfig:
                 # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
                 # (it overwrites the first pass's). Truncated, b comes from a segment's leading window
                 # where it has one, and the scan takes b alone there (segment_state's flags).
-                kernels.state_grads(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs, b, scale, dh,
+                kernels.state_grads(qf, kf, w, dof, *local, gamma, q_norm_inv, k_norm_inv, runs, b, scale, dh,
                                     dv_new, b, log_bound)
                 if grads is not None:
                     grads.wait_event(transitions_ready)
                 kernels.reverse_scan(seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, trunc_flags,
                                      ds_end)
-                kernels.state_grads_incoming(qf, kf, w, dof, dv_local, gamma, q_norm_inv, k_norm_inv, runs, ds_end,
+                kernels.state_grads_incoming(qf, kf, w, dof, *local, gamma, q_norm_inv, k_norm_inv, runs, ds_end,
                                              scale, dh, dv_new, b, unread_bound)
             use(main)
             if recompute:
                 if segs is not None:
                     kernels.forward_scan(seg_state, seg_state, segs.seg_meta, run_init if h0 is None else h0,
                                          trunc_flags, run_init)
-                if grads is not None:
+                if grads is not None and dv_local is not None:
                     main.wait_event(local_dv_done)
                 init = h0 if segs is None else run_init
                 kernels.chunk_states(kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new)
@@ -464,11 +481,14 @@ class BackwardConfig:
         del w, dv_local, a_u
 
         dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
-        if kept is None:  # (allocated once W, A_g and the local dV are freed)
+        if kept is None or kept.dv_local is None:  # (allocated once W, A_g and the local dV are freed)
             dk_wy = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
-            dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
         else:  # the local dV's buffer (read for the last time by the state gradients, joined above; K = V)
-            dk_wy, dgamma_wy = kept.dv_local, kept.dgamma_wy
+            dk_wy = kept.dv_local
+        if kept is None:
+            dgamma_wy = torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev)
+        else:
+            dgamma_wy = kept.dgamma_wy
         del kept
         dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
         dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads
@@ -519,17 +539,19 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v, prepare, recompute,
-                     outputs, truncate=False) -> BackwardKernels:
+                     outputs, truncate=False, roles=True) -> BackwardKernels:
     """``BackwardKernels`` of zero-argument builders (None: not launched): the one place that
     picks the backward's variants. ``outputs``: the prepare_wu variant; ``truncate``: CP's
-    transitions, scans and first state-gradient pass truncated where gates decay."""
+    transitions, scans and first state-gradient pass truncated where gates decay; ``roles``: the
+    state-gradient passes form M^T dO (``state_grads_roles``, no ``local_dv``)."""
+    grads = build_state_grads_roles if roles else build_state_grads
     return BackwardKernels(
         prepare=(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs)) if prepare else None,
-        local_dv=lambda: build_local_dv(dk, dv, tl_dtype),
+        local_dv=None if roles else (lambda: build_local_dv(dk, dv, tl_dtype)),
         # Kernels compiled without an initial state / dht do not read that argument.
         chunk_states=(lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v)) if recompute else None,
-        state_grads=lambda: build_state_grads(dk, dv, tl_dtype, has_dht and not cp, block_v, window=truncate),
-        state_grads_incoming=(lambda: build_state_grads(dk, dv, tl_dtype, True, block_v)) if cp else None,
+        state_grads=lambda: grads(dk, dv, tl_dtype, has_dht and not cp, block_v, window=truncate),
+        state_grads_incoming=(lambda: grads(dk, dv, tl_dtype, True, block_v)) if cp else None,
         transitions=((lambda: build_segment_state(dk, dv, tl_dtype, recompute, truncate=truncate,
                                                   reverse_window=truncate)) if cp else None),
         reverse_scan=(lambda: build_segment_scan(dk, dv, has_dht, reverse=True, truncated=truncate)) if cp else None,

@@ -20,6 +20,7 @@ from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_grads import build_state_grads
+from .state_grads_roles import build_state_grads_roles
 from .wy_grads import build_wy_grads
 from .state_output import build_state_output
 from .state_output_roles import build_state_output_roles
@@ -105,6 +106,12 @@ def backward_kernel_builders(head_dim: int, dtype: str):
     cp_block = min(d, STATE_BLOCKS[-1])
     builders.append((f"state_grads[{dtype},dht=False,bv={cp_block},window=True]",
                      lambda: build_state_grads(d, d, dtype, False, cp_block, window=True)))
+    # The default state-gradient passes (backward.roles_opted), in the same splits and CP's first pass.
+    builders += [(f"state_grads_roles[{dtype},dht={dht},bv={bv}]",
+                  lambda dht=dht, bv=bv: build_state_grads_roles(d, d, dtype, dht, bv))
+                 for dht, bv in itertools.product((False, True), blocks)]
+    builders.append((f"state_grads_roles[{dtype},dht=False,bv={cp_block},window=True]",
+                     lambda: build_state_grads_roles(d, d, dtype, False, cp_block, window=True)))
     builders += [(f"wy_grads[{dtype},{gd}]", lambda gd=gd: build_wy_grads(d, d, dtype, gd))
                  for gd in sorted({"float32", dtype})]
     builders.append((f"local_dv[{dtype}]", lambda: build_local_dv(d, d, dtype)))

@@ -35,10 +35,12 @@ def test_kernel_compiles_for_sm90a(name):
 
 ASYNC_PRODUCT_KERNELS = ("state_output", "chunk_states", "state_grads", "segment_state")
 ROLES_KERNEL = "state_output_roles"  # explicit roles, not TileLang's pipelined loop: its own test
+GRADS_ROLES_KERNEL = "state_grads_roles"  # the same for the backward's state-gradient pass
 
 
 @pytest.mark.parametrize("name", sorted(n for n in VARIANTS
-                                         if n.startswith(ASYNC_PRODUCT_KERNELS) and not n.startswith(ROLES_KERNEL)))
+                                         if n.startswith(ASYNC_PRODUCT_KERNELS)
+                                         and not n.startswith((ROLES_KERNEL, GRADS_ROLES_KERNEL))))
 def test_tiles_read_by_async_products_are_released_after_the_wait(name):
     """Kernels with asynchronous wgmma groups inside a warp-specialised pipeline re-read a
     tile after their last wait (tiles.py), so TileLang hands the tile back to the TMA
@@ -119,6 +121,31 @@ def test_roles_producer_loads_a_chunk_ahead_and_stores_pt_by_stmatrix(name):
     assert lines[store - 1].startswith("tl::__sync_thread_partial(") and lines[store + 1] == "tl::fence_proxy_async();"
     pass_lines = "\n".join(lines[this_wait:store])
     assert "exp2f(" in pass_lines and "min(" not in pass_lines.split("tl::wait_wgmma<0>();")[-1]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith(GRADS_ROLES_KERNEL)))
+def test_grads_roles_hand_stages_over_after_mt_and_back_after_their_products(name):
+    """state_grads_roles: the producer hands a stage over (``full``) only after M^T is in shared
+    memory and fenced for the async proxy, and each state warpgroup hands it back (``empty``) only
+    after its last wgmma wait of the chunk; a state warpgroup rewrites its dS' and dV_new tiles only
+    after the previous chunk's TMA stores have read them (store wait, then its own barrier)."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    lines = [line.strip() for line in source.splitlines()]
+    full = [i for i, line in enumerate(lines) if line.startswith("full[") and line.endswith(".arrive();")]
+    empty = [i for i, line in enumerate(lines) if line.startswith("empty[") and line.endswith(".arrive();")]
+    wg = 2 if "__launch_bounds__(384" in source else 1
+    assert len(full) == 1 and len(empty) == wg, (full, empty)
+    assert "tl::fence_proxy_async();" in lines[full[0] - 3:full[0]], lines[full[0] - 3:full[0] + 1]
+    for i in empty:
+        assert lines[i - 1] == "tl::wait_wgmma<0>();", lines[i - 2:i + 1]
+    waits = [i for i, line in enumerate(lines) if line.startswith("tl::tma_store_wait<0")]
+    barriers = [i for i, line in enumerate(lines) if line.startswith("tl::__sync_thread_partial(12")
+                or line.startswith("tl::__sync_thread_partial(13")]
+    assert len(barriers) == wg and all(lines[b - 1].startswith("tl::tma_store_wait<0") for b in barriers)
+    assert len(waits) >= 2 * wg  # in the loop and after it
 
 
 @pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("state_output_vmajor")))
@@ -211,6 +238,14 @@ def test_ptxas_keeps_wgmma_asynchronous(name, tmp_path):
     out = _assemble(source, tmp_path, "-Xptxas", "-v")
     serialised = [line for line in out.stderr.splitlines() if any(w in line for w in SERIALISATION_WARNINGS)]
     assert not serialised, f"{name}: {serialised}"
+    if name.startswith(GRADS_ROLES_KERNEL):
+        from flash_gdn.hopper import state_grads_roles
+
+        threads = int(source.split("__launch_bounds__(")[1].split(",")[0])
+        assert f"Used {state_grads_roles.LAUNCH_REGS[threads]} registers" in out.stderr, out.stderr[-2000:]
+        assert "0 bytes spill stores" in out.stderr, out.stderr[-2000:]
+        # (C7517: ptxas waits for the products before element-wise code it could not order after them)
+        assert "C7517" not in out.stderr, out.stderr[-2000:]
     if name.startswith(("forward_fused", ROLES_KERNEL)):
         # Their roles' setmaxnreg counts only move registers within the launch count x threads
         # (an increase that cannot be met hangs): the launch count must stay what they assume.

@@ -63,18 +63,40 @@ def _assert_stages_match(got, ref, real):
         assert rel_err(got[name][:real], ref[name]) <= TOL, (name, rel_err(got[name][:real], ref[name]))
 
 
+@pytest.mark.parametrize("roles", ["1", "0"])
 @pytest.mark.parametrize("l2", [False, True])
-def test_chunk_states_and_state_grads_match_reference(l2):
+def test_chunk_states_and_state_grads_match_reference(monkeypatch, l2, roles):
+    """roles "1": the state-gradient pass forms M^T dO itself (``state_grads_roles``, the
+    default); "0": ``local_dv`` writes it and the pipelined ``state_grads`` reads it."""
+    monkeypatch.setenv("FLASH_GDN_STATE_GRADS_ROLES", roles)
     got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, l2=l2)
     _assert_stages_match(got, ref, real)
 
 
-@pytest.mark.parametrize("seg_chunks,l2,h0_dht", [(1, False, True), (3, True, True), (2, False, False)])
-def test_context_parallel_backward_stages_match_reference(monkeypatch, seg_chunks, l2, h0_dht):
+@pytest.mark.parametrize("block_v", [128, 64, 32, 16])
+def test_state_grads_roles_extreme_gates_and_ragged_tails(monkeypatch, block_v):
+    """The roles kernel's M^T from one power of two per element: gates up to -20 a token (so
+    e^(gamma_i - gamma_j) spans far below fp32's range within a chunk and the upper triangle's
+    exponent overflows, dropped by the select), zero-decay heads, sequences ending mid-chunk
+    (M^T's columns past the end are zero: the next sequence's dO must not enter), in every
+    column split."""
+    from flash_gdn.hopper import backward
+
+    monkeypatch.setenv("FLASH_GDN_STATE_GRADS_ROLES", "1")
+    monkeypatch.setattr(backward, "state_block_v", lambda head_v, *args: min(block_v, head_v))
+    got, ref, real = _run([63, 1, 65, 200, 7], 2, 4, 128, gate=(0.0, 20.0), zero_decay_heads=1)
+    _assert_stages_match(got, ref, real)
+
+
+@pytest.mark.parametrize("seg_chunks,l2,h0_dht,roles", [(1, False, True, "1"), (3, True, True, "1"), (2, False, False, "1"),
+                                                       (3, False, True, "0")])
+def test_context_parallel_backward_stages_match_reference(monkeypatch, seg_chunks, l2, h0_dht, roles):
     """Both sequential stages over segments (forward scan for chunk_states, reverse scan for
     state_grads), every intermediate against the fp64 chunked backward; strong gates with
-    zero-decay heads (their transitions do not shrink)."""
+    zero-decay heads (their transitions do not shrink). roles: as in
+    ``test_chunk_states_and_state_grads_match_reference``."""
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
+    monkeypatch.setenv("FLASH_GDN_STATE_GRADS_ROLES", roles)
     got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, l2=l2, h0=h0_dht, dht=h0_dht, gate=(0.0, 20.0),
                           zero_decay_heads=2)
     _assert_stages_match(got, ref, real)

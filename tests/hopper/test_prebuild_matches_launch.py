@@ -15,8 +15,8 @@ from flash_gdn.validation import Problem  # noqa: E402
 FORWARD_BUILDERS = ("build_prepare_wu", "build_segment_state", "build_segment_scan", "build_state_output",
                     "build_state_output_vmajor", "build_state_output_roles", "build_forward_fused", "build_sequence_prefix", "build_cut_pieces")
 BACKWARD_BUILDERS = ("build_chunk_states", "build_local_dv", "build_prepare_wu", "build_qk_grads", "build_segment_scan",
-                     "build_segment_state", "build_state_grads", "build_wy_grads", "build_sequence_prefix",
-                     "build_cut_pieces")
+                     "build_segment_state", "build_state_grads", "build_state_grads_roles", "build_wy_grads",
+                     "build_sequence_prefix", "build_cut_pieces")
 
 
 class Recorder:
@@ -136,9 +136,13 @@ BACKWARD_ROWS = [([8192], 2, 4), ([2048, 2048], 16, 64), ([32768], 4, 8)]
 @pytest.mark.parametrize("lengths, hqk, hv", BACKWARD_ROWS)
 @pytest.mark.parametrize("with_h0, with_dht", [(False, False), (True, True)])
 @pytest.mark.parametrize("mode", sorted(FORWARD_MODES))  # inference: a forward that kept nothing
-def test_backward_launches_only_prebuilt_variants(recorder, lengths, hqk, hv, with_h0, with_dht, mode):
+@pytest.mark.parametrize("roles", ["1", "0"])  # state_grads_roles, or local_dv + state_grads
+def test_backward_launches_only_prebuilt_variants(recorder, monkeypatch, lengths, hqk, hv, with_h0, with_dht, mode,
+                                                  roles):
     from flash_gdn.hopper.backward import backward_stages
     from flash_gdn.hopper.forward import hopper_forward
+
+    monkeypatch.setenv("FLASH_GDN_STATE_GRADS_ROLES", roles)
 
     q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
     h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
