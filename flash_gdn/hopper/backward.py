@@ -4,9 +4,10 @@
 chunk's start state h and V_new, forming U = A_g V), ``state_grads_roles`` (every chunk's
 end-state gradient dh, dV_new and dh0, forming the state-free part of dV_new, M^T dO, in a
 producer warpgroup; with ``FLASH_GDN_STATE_GRADS_ROLES=0`` the chunk-parallel ``local_dv`` writes
-M^T dO and the pipelined ``state_grads`` reads it), ``wy_grads`` (dv, dbeta and half (a)'s dk and dgamma terms) and
-``qk_grads`` (dq and dk summed over each group of value heads with the L2 norm's backward,
-and dg). ``hopper_backward`` puts the results in the caller's dtypes and state layout.
+M^T dO and the pipelined ``state_grads`` reads it), ``wy_grads`` (dv, dbeta and half (a)'s dk and
+dgamma terms) and ``qk_grads`` (dq and dk summed over each group of value heads with the L2
+norm's backward, and dg). ``hopper_backward`` puts the results in the caller's dtypes and
+state layout.
 No host synchronisation. The decisions below and the kernels of a configuration are made once
 (``BackwardConfig``, kept per configuration), and a small call's intermediates are kept for the
 next call on its stream and thread (``_KEPT``): a repeat call is its outputs and the launches.
@@ -22,13 +23,16 @@ the state gradients' at its first chunks (the first pass walks only those, the r
 takes b alone); ``segment_state`` forms M only where a scan reads it (docs/performance.md s39).
 
 ``chunk_states`` and the state-gradient pass read none of each other's outputs (the state
-gradients need Q, K, W, dO and the local dV, not h or V_new), so when the chunk states are
-recomputed the two run side by side, joined before wy_grads, the first reader of h. Each
-alone underfills the GPU when sequences x heads are few; together they share it. The
+gradients need Q, K, W, dO and, without the roles kernel, the local dV; not h or V_new), so
+when the chunk states are recomputed the two run side by side, joined before wy_grads, the
+first reader of h. Each alone underfills the GPU when sequences x heads are few; together they
+share it (s40: on the long rows they share memory bandwidth, and side by side take about as long
+as one after the other; docs/performance.md). The
 gradient chain (the state-gradient passes, and local_dv before them where it runs) runs on a
-second stream, and chunk_states waits for local_dv where it runs: local_dv is chunk-parallel and fills the GPU, so beside chunk_states (one
-wave of CTAs or less) it ran on the SMs left over, at up to twice its time, and delayed
-state_grads, the longer of the two sequential passes, by as much (docs/performance.md, s27).
+second stream, and chunk_states waits for local_dv where it runs: local_dv is chunk-parallel
+and fills the GPU, so beside chunk_states (one wave of CTAs or less) it ran on the SMs left
+over, at up to twice its time, and delayed state_grads, the longer of the two sequential
+passes, by as much (docs/performance.md, s27).
 The second stream is forked from and joined to the caller's, so a CUDA-graph capture
 records the two branches.
 """
