@@ -40,7 +40,7 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 from .segment_state import WINDOW_CHUNKS, leading_window
-from .tiles import ACCUM, CHUNK, store_chunk_rows
+from .tiles import ACCUM, CHUNK, load_chunk_rows, store_chunk_rows
 
 WG_COLS = 64  # columns of dS per state warpgroup
 LOG2E = 1.4426950408889634
@@ -91,9 +91,7 @@ def load_chunk(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, 
     T.tma_copy(k[start:start + CHUNK, qk_head, :], k_s[stage, :, :], barrier=loaded[stage])
     T.tma_copy(w[start:start + CHUNK, head, :], w_s[stage, :, :], barrier=loaded[stage])
     T.tma_copy(do[start:start + CHUNK, head, v0:v0 + block_v], do_s[stage, :, :], barrier=loaded[stage])
-    T.tma_copy(gamma[head, chunk, 0:CHUNK], fac[stage, F_GAMMA, :], barrier=loaded[stage])
-    T.tma_copy(k_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, F_KINV, :], barrier=loaded[stage])
-    T.tma_copy(q_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, F_QINV, :], barrier=loaded[stage])
+    load_chunk_rows(gamma, k_norm_inv, q_norm_inv, fac, loaded, stage, chunk, head, qk_head, F_GAMMA, F_KINV, F_QINV)
     T.barrier_arrive(loaded[stage])
 
 

@@ -38,7 +38,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .launch import Launcher, jit
-from .tiles import ACCUM, CHUNK, store_chunk_rows
+from .tiles import ACCUM, CHUNK, load_chunk_rows, store_chunk_rows
 
 THREADS = 384
 PRODUCER_THREAD0 = 256  # warpgroup 2
@@ -141,9 +141,7 @@ def load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s,
     T.tma_copy(k[start:start + CHUNK, qk_head, :], k_s[stage, :, :], barrier=loaded[stage])
     T.tma_copy(v[start:start + CHUNK, head, :], v_s[stage, :, :], barrier=loaded[stage])
     T.tma_copy(a_u[chunk, head, :, :], au_s[stage, :, :], barrier=loaded[stage])
-    T.tma_copy(gamma[head, chunk, 0:CHUNK], fac[stage, F_GAMMA, :], barrier=loaded[stage])
-    T.tma_copy(k_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, F_KINV, :], barrier=loaded[stage])
-    T.tma_copy(q_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, F_QINV, :], barrier=loaded[stage])
+    load_chunk_rows(gamma, k_norm_inv, q_norm_inv, fac, loaded, stage, chunk, head, qk_head, F_GAMMA, F_KINV, F_QINV)
     T.barrier_arrive(loaded[stage])
 
 

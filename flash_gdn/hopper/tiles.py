@@ -57,6 +57,17 @@ def store_chunk_rows(tile, dst, start, length, head, col0, wait=True):
 
 
 @T.macro
+def load_chunk_rows(gamma, k_norm_inv, q_norm_inv, fac, loaded, stage, chunk, head, qk_head, gamma_row, kinv_row,
+                    qinv_row):
+    """A chunk's rows of gamma (value head ``head``) and of the inverse key and query norms (q/k
+    head ``qk_head``) by TMA into rows ``gamma_row``, ``kinv_row``, ``qinv_row`` of ``fac[stage]``,
+    on ``loaded[stage]`` (the roles kernels' per-chunk factor rows; always 64 long)."""
+    T.tma_copy(gamma[head, chunk, 0:CHUNK], fac[stage, gamma_row, :], barrier=loaded[stage])
+    T.tma_copy(k_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, kinv_row, :], barrier=loaded[stage])
+    T.tma_copy(q_norm_inv[qk_head, chunk, 0:CHUNK], fac[stage, qinv_row, :], barrier=loaded[stage])
+
+
+@T.macro
 def blocked_unit_lower_inverse(
     strict: T.FragmentBuffer((CHUNK, CHUNK), ACCUM),
     lower_diag: T.SharedBuffer((CHUNK, BLOCK), ACCUM),
