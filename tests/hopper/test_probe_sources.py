@@ -21,6 +21,7 @@ def _script(name: str):
 
 STATE_OUTPUT_PROBE = _script("state_output_probe")
 FUSED_PROBE = _script("fused_probe")
+STATE_GRADS_PROBE = _script("state_grads_probe")
 
 
 @pytest.mark.parametrize("variant", STATE_OUTPUT_PROBE.VARIANTS)
@@ -44,3 +45,17 @@ def test_fused_probe_compiles(off):
         source = FUSED_PROBE.compiled(switches, int(off)).get_kernel_source()
     assert "forward_fused" in source
     assert ("wgmma" in source) != off  # with everything off no product is left
+
+
+@pytest.mark.parametrize("block_v", [128, 64, 32])
+def test_state_grads_probe_compiles(block_v):
+    """The state-gradient pass with clock reads between its phases: every marker found, one clock
+    per phase boundary in each role, and the producer and state warpgroup 0 meeting once at the end."""
+    from tilelang import tvm
+
+    build = STATE_GRADS_PROBE.probed_builder()
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = build(128, 128, "bfloat16", False, block_v).get_kernel_source()
+    state_wgs = max(1, block_v // 64)
+    assert source.count("clock64") == 7 + 9 * state_wgs
+    assert source.count(f"__sync_thread_partial({STATE_GRADS_PROBE.PROBE_BARRIER}, 256)") == 2
