@@ -157,6 +157,8 @@ def main(specs):
             torch.cuda.synchronize()
             times[name] = 1000 * kernel_time_ms(step, 10)
         # The probed kernel's totals (dh0 is written without CP, initial state or not).
+        B.build_state_grads_roles = probed
+        B.release_configs()
         problem = check_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, x["cu_seqlens"], False)
         out = B.backward_stages(x["q"], x["k"], x["v"], x["g"], x["beta"], torch.randn_like(x["v"]), None, problem,
                                 None, False, x["cu_seqlens"], intermediates=True)
