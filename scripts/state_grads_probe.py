@@ -12,6 +12,9 @@ columns; row 1: the producer's at the block's first columns), so its dh0 is not 
 
     python3 scripts/state_grads_probe.py 16/32:1x8192 8/16:1x8192 16/32:1x32768
 
+With one state warpgroup (up to 64 columns) a loader warpgroup issues the loads, so the
+producer's last two phases (empty wait, loads issue) read 0.
+
 Prints, per row, the kernel's backward time with the plain and the probed kernel (the clock reads'
 cost), then the median over CTAs of each phase in cycles per chunk step.
 """
@@ -22,7 +25,8 @@ import sys
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_grads_roles.py")
 STATE_PHASES = ("full wait", "store wait + barrier", "dS' copy + decay", "products 1 issue, dh, -D dO",
                 "products 1 wait", "dV_new", "products 2 issue, dV_new store", "products 2 wait + empty")
-PRODUCER_PHASES = ("loaded wait", "factors", "K Q^T", "M^T pass + full", "empty wait", "loads issue")
+PRODUCER_PHASES = ("loaded wait", "K Q^T issue + factors", "K Q^T wait + M^T buffer wait", "M^T pass + full",
+                   "empty wait", "loads issue")
 PROBE_BARRIER = 15  # the producer and state warpgroup 0 meet here at the end (the kernel uses 3-5, 12, 13)
 
 _STAMP_MACRO = '''
@@ -83,8 +87,8 @@ def probed_source() -> str:
         s = _replace(s, line, line + _stamp(8, phase, "acc"))
     # The producer: K Q^T's end (before its pass), a clock at each chunk's start, and its totals
     # to state warpgroup 0 through shared memory (then the two meet at PROBE_BARRIER).
-    s = _replace(s, "        chunk_mt(mt, mt_s, fac, c % stages)\n",
-                 _stamp(8, 2, "pacc") + "        chunk_mt(mt, mt_s, fac, c % stages)\n")
+    s = _replace(s, "        chunk_mt(mt, mt_s, fac, c % stages, c % MT_BUFFERS)\n",
+                 _stamp(8, 2, "pacc") + "        chunk_mt(mt, mt_s, fac, c % stages, c % MT_BUFFERS)\n")
     s = _replace(s, "    mt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then M^T\n",
                  "    mt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then M^T\n" + _counters("pacc"))
     s = _replace(s, "    for c in T.serial(num_chunks):\n        T.mbarrier_wait_parity(loaded[",
@@ -111,9 +115,9 @@ def probed_source() -> str:
     s = _replace(s, "            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)\n",
                  "            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)\n"
                  "            probe_s = T.alloc_shared((8,), ACCUM)\n")
-    s = _replace(s, "v0, block_v, stages):\n", "v0, block_v, stages, probe_s):\n")  # producer's parameters
-    calls = "block_v,\n                             stages)\n"  # the producer's two call sites
-    s = _replace(s, calls, calls.replace("stages)", "stages, probe_s)"), 2)
+    s = _replace(s, "block_v, stages, loads):\n", "block_v, stages, loads, probe_s):\n")  # producer's parameters
+    for loads in ("True", "False"):  # the producer's two call sites
+        s = _replace(s, f"stages, {loads})\n", f"stages, {loads}, probe_s)\n")
     s = _replace(s, "num_chunks, v0):\n", "num_chunks, v0, probe_s):\n")  # state_warpgroup's parameters
     s = _replace(s, "first_chunk, num_chunks, v0)\n", "first_chunk, num_chunks, v0, probe_s)\n", 3)
     return s

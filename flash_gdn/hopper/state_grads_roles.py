@@ -16,10 +16,12 @@ after the other and 1636 side by side). Here a producer warpgroup forms M^T inst
 ahead of the state warpgroups, as the forward's roles kernel forms its P^T (the same matrix:
 M^T[j, i] = scale e^(gamma_i - gamma_j) r_q,i r_k,j (K Q^T)[j, i] for i >= j):
 
-- the producer (the last warpgroup) issues each chunk's q, k, w and dO tiles and its rows of
-  gamma and the inverse norms by TMA into one of ``stages`` buffers, forms the chunk's row
-  factors (D negated, E, e^gamma_C) and M^T (K Q^T on the tensor cores, then the mask and the
-  factors as one power of two per element) into the same stage, and hands it over (``full``);
+- a loader warpgroup (the last; with two state warpgroups, the producer) issues each chunk's
+  q, k, w and dO tiles and its rows of gamma and the inverse norms by TMA into one of
+  ``stages`` buffers as soon as the state warpgroups hand that stage back;
+- the producer forms the chunk's row factors (D negated, E, e^gamma_C) while K Q^T runs on
+  the tensor cores, then M^T (the mask and the factors as one power of two per element) into
+  one of two M^T buffers (``MT_BUFFERS``), and hands the stage over (``full``);
 - each state warpgroup owns up to 64 columns of dS and keeps X = -dS in fp32 registers (so
   W^T dV_new is added as it is, and the dO tile's copy carries -D). Per chunk: dS' to shared
   memory (bf16, also dh's TMA store), K dS' and M^T dO issued together, -D dO into its own
@@ -54,16 +56,24 @@ NUM_FACTORS = 8
 # Named barrier of state warpgroup w before its shared tiles are rewritten (after the previous
 # chunk's TMA stores have read them): WG_BARRIER + w.
 WG_BARRIER = 12
-LAUNCH_REGS = {256: 240, 384: 168}  # registers a thread at launch (ptxas: 240 at 256 threads, 168 at 384)
-STATE_REGS = {256: 240, 384: 208}  # then each state thread's (setmaxnreg) ...
-PRODUCER_REGS = 88  # ... and each producer thread's
-for _threads, _launch in LAUNCH_REGS.items():
-    assert (_threads - 128) * STATE_REGS[_threads] + 128 * PRODUCER_REGS <= _launch * _threads
+# Registers a thread by the number of state warpgroups: (at launch, as ptxas reports it; then each
+# state thread's, each producer thread's and each loader thread's by setmaxnreg; None: no loader).
+# One state warpgroup (up to 64 columns) runs beside a producer and a loader warpgroup, two
+# (128 columns) beside a producer that also issues the loads.
+ROLE_REGS = {1: (168, 240, 128, 40), 2: (168, 208, 88, None)}
+for _wg, (_launch, _state, _producer, _loader) in ROLE_REGS.items():
+    assert 128 * (_wg * _state + _producer + (_loader or 0)) <= _launch * 128 * (_wg + 1 + (_loader is not None))
+
+
+MT_BUFFERS = 2  # M^T tiles: the producer forms chunk c + 1's while the state warpgroups read c's
 
 
 def roles_stages(block_v: int) -> int:
-    """TMA stages: two at 64 and 128 columns (shared memory), three below (a shorter chain step)."""
-    return 3 if block_v < WG_COLS else 2
+    """TMA stages: three up to 64 columns, two at 128 (shared memory). With two, a chunk's loads
+    are issued only once the state warpgroups hand back the chunk before it, so the producer
+    waits out their whole latency each step (s42, H200, 16/32 x 1x8192 at 64 columns: 2030 of
+    a 4280-cycle step); 64 columns fit three because M^T has two buffers, not one a stage."""
+    return 3 if block_v <= WG_COLS else 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,38 +122,59 @@ def stage_factors(fac, stage, length, scale):
 
 
 @T.macro
-def chunk_mt(mt, mt_s, fac, stage):
+def chunk_mt(mt, mt_s, fac, stage, buffer):
     """M^T[j, i] = 2^(a_i - b_j) (K Q^T)[j, i] for i >= j (``stage_factors``' exponents: the three
     factors scale r_q,i r_k,j e^(gamma_i - gamma_j) as one power of two), from the K Q^T
-    accumulator ``mt`` into the stage's tile. Where i >= j within the chunk the exponent is at most
+    accumulator ``mt`` into M^T buffer ``buffer``. Where i >= j within the chunk the exponent is at most
     log2(scale r_q r_k); where i < j it may overflow to inf, which the select drops; past the
     chunk's end a_i = NO_TOKEN gives 0."""
     for j, i in T.Parallel(CHUNK, CHUNK):
         mt[j, i] = T.if_then_else(i >= j, mt[j, i] * T.exp2(fac[stage, F_PCOL, i] - fac[stage, F_PROW, j]),
                                   T.cast(0, ACCUM))
-    T.copy(mt, mt_s[stage, :, :])
+    T.copy(mt, mt_s[buffer, :, :])
+
+
+@T.macro
+def loader(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, empty, seq_start,
+           first_chunk, num_chunks, head, qk_head, v0, block_v, stages):
+    """Every chunk's loads, as soon as its stage is free (the state warpgroups are done with the
+    chunk ``stages`` before it; parity 1 on a stage's first use passes at once): a load has
+    ``stages`` - 1 chain steps to land, and issuing it costs the producer nothing."""
+    for n in T.serial(num_chunks):  # chunk n: the sequence's (n+1)-th last
+        T.mbarrier_wait_parity(empty[n % stages], ((n // stages) % 2) ^ 1)
+        load_chunk(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, n % stages,
+                   seq_start + (num_chunks - 1 - n) * CHUNK, first_chunk + num_chunks - 1 - n, head, qk_head, v0,
+                   block_v)
 
 
 @T.macro
 def producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full, empty, scale,
-             seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v, stages):
-    """Loads chunk c + stages - 1 once chunk c's M^T is handed over (its stage's last reader being
-    chunk c - 1), so a load has a whole chain step and more to land."""
+             seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v, stages, loads):
+    """Forms each chunk's factors and M^T. With ``loads`` (no loader warpgroup) it also loads
+    chunk c + stages - 1 once chunk c's M^T is handed over (its stage's last reader being chunk
+    c - 1), so a load has a whole chain step and more to land."""
     mt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then M^T
-    for n in T.serial(stages - 1):  # the first chunks' loads (chunk n: the sequence's (n+1)-th last)
-        if n < num_chunks:
-            load_chunk(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, n,
-                       seq_start + (num_chunks - 1 - n) * CHUNK, first_chunk + num_chunks - 1 - n, head, qk_head, v0,
-                       block_v)
+    if loads:
+        for n in T.serial(stages - 1):  # the first chunks' loads (chunk n: the sequence's (n+1)-th last)
+            if n < num_chunks:
+                load_chunk(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, n,
+                           seq_start + (num_chunks - 1 - n) * CHUNK, first_chunk + num_chunks - 1 - n, head, qk_head,
+                           v0, block_v)
     for c in T.serial(num_chunks):
         T.mbarrier_wait_parity(loaded[c % stages], (c // stages) % 2)
-        stage_factors(fac, c % stages, T.min(seq_end - seq_start - (num_chunks - 1 - c) * CHUNK, CHUNK), scale)
+        # K Q^T runs while the factors are formed (they read and write fac alone).
         T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], mt, transpose_B=True, clear_accum=True)
+        stage_factors(fac, c % stages, T.min(seq_end - seq_start - (num_chunks - 1 - c) * CHUNK, CHUNK), scale)
         T.wait_wgmma(0)
-        chunk_mt(mt, mt_s, fac, c % stages)
+        if stages > MT_BUFFERS and c >= MT_BUFFERS:
+            # M^T buffer c % 2 was chunk c - 2's: free once the state warpgroups are done with it
+            # (that chunk's completion of its stage's ``empty``; the next cannot come before this
+            # chunk is handed over).
+            T.mbarrier_wait_parity(empty[(c - MT_BUFFERS) % stages], ((c - MT_BUFFERS) // stages) % 2)
+        chunk_mt(mt, mt_s, fac, c % stages, c % MT_BUFFERS)
         T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
         T.barrier_arrive(full[c % stages])
-        if c + stages - 1 < num_chunks:
+        if loads and c + stages - 1 < num_chunks:
             # Stage (c - 1) % stages: free once the state warpgroups are done with chunk c - 1
             # (parity 1 on a stage's first use passes at once).
             T.mbarrier_wait_parity(empty[(c + stages - 1) % stages], (((c + stages - 1) // stages) % 2) ^ 1)
@@ -188,7 +219,7 @@ def state_warpgroup(wg, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_
             x[i, j] = x[i, j] * decay
         # K dS' (the chain's product) and M^T dO while dh goes out and -D dO is formed.
         T.wgmma_gemm(k_s[c % stages, :, :], ds_s, kds, clear_accum=True)
-        T.wgmma_gemm(mt_s[c % stages, :, :], do_s[c % stages, :, c0:c0 + cols], mdo, clear_accum=True)
+        T.wgmma_gemm(mt_s[c % MT_BUFFERS, :, :], do_s[c % stages, :, c0:c0 + cols], mdo, clear_accum=True)
         T.tma_copy(ds_s, dh[chunk, head, 0:head_k, v0 + c0:v0 + c0 + cols])
         for i, j in T.Parallel(CHUNK, cols):
             ndo_s[i, j] = T.cast(do_s[c % stages, i, c0 + j] * fac[c % stages, F_NEG_D, i], dtype)
@@ -219,9 +250,11 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
     bound_heads, bound_chunks = T.dynamic("bound_heads"), T.dynamic("bound_chunks")
     num_wg = max(1, block_v // WG_COLS)
     cols = min(block_v, WG_COLS)
-    threads = 128 * (num_wg + 1)
+    _, state_regs, producer_regs, loader_regs = ROLE_REGS[num_wg]
+    has_loader = loader_regs is not None
+    threads = 128 * (num_wg + 1 + has_loader)
     producer0 = 128 * num_wg
-    state_regs, producer_regs = STATE_REGS[threads], PRODUCER_REGS
+    loader0 = producer0 + 128
 
     @T.prim_func
     def state_grads_roles(
@@ -245,7 +278,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
             k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             w_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             do_s = T.alloc_shared((stages, CHUNK, block_v), dtype)
-            mt_s = T.alloc_shared((stages, CHUNK, CHUNK), dtype)  # M^T, formed by the producer
+            mt_s = T.alloc_shared((min(stages, MT_BUFFERS), CHUNK, CHUNK), dtype)  # M^T, formed by the producer
             fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)
             # Each state warpgroup's own tiles: dS' (bf16), -D dO, dV_new.
             ds_s0 = T.alloc_shared((head_k, cols), dtype)
@@ -286,7 +319,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
                     T.set_max_nreg(producer_regs, 0)
                     producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full,
                              empty, scale, seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v,
-                             stages)
+                             stages, True)
                 elif tx >= 128:
                     T.set_max_nreg(state_regs, 1)
                     state_warpgroup(1, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_s, fac, mt_s, ds_s1,
@@ -298,11 +331,15 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
                                     ndo_s0, dvn_s0, full, empty, dht, dh, dv_new, dh0, seq, head, seq_start, seq_end,
                                     first_chunk, num_chunks, v0)
             else:
-                if tx >= producer0:
+                if tx >= loader0:
+                    T.set_max_nreg(loader_regs, 0)
+                    loader(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, empty,
+                           seq_start, first_chunk, num_chunks, head, qk_head, v0, block_v, stages)
+                elif tx >= producer0:
                     T.set_max_nreg(producer_regs, 0)
                     producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full,
                              empty, scale, seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v,
-                             stages)
+                             stages, False)
                 else:
                     T.set_max_nreg(state_regs, 1)
                     state_warpgroup(0, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_s, fac, mt_s, ds_s0,
