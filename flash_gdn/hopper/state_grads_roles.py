@@ -65,6 +65,16 @@ for _wg, (_launch, _state, _producer, _loader) in ROLE_REGS.items():
     assert 128 * (_wg * _state + _producer + (_loader or 0)) <= _launch * 128 * (_wg + 1 + (_loader is not None))
 
 
+def state_warpgroups(block_v: int) -> int:
+    """State warpgroups of a CTA of ``block_v`` columns (64 columns each)."""
+    return max(1, block_v // WG_COLS)
+
+
+def has_loader(block_v: int) -> bool:
+    """Whether a loader warpgroup issues the loads (else the producer does): ``ROLE_REGS``."""
+    return ROLE_REGS[state_warpgroups(block_v)][3] is not None
+
+
 MT_BUFFERS = 2  # M^T tiles: the producer forms chunk c + 1's while the state warpgroups read c's
 
 
@@ -248,11 +258,10 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
     num_seqs = T.dynamic("num_seqs")
     num_chunks_total = T.dynamic("num_chunks")
     bound_heads, bound_chunks = T.dynamic("bound_heads"), T.dynamic("bound_chunks")
-    num_wg = max(1, block_v // WG_COLS)
+    num_wg = state_warpgroups(block_v)
     cols = min(block_v, WG_COLS)
     _, state_regs, producer_regs, loader_regs = ROLE_REGS[num_wg]
-    has_loader = loader_regs is not None
-    threads = 128 * (num_wg + 1 + has_loader)
+    threads = 128 * (num_wg + 1 + has_loader(block_v))
     producer0 = 128 * num_wg
     loader0 = producer0 + 128
 

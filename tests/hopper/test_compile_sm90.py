@@ -125,9 +125,9 @@ def test_roles_producer_loads_a_chunk_ahead_and_stores_pt_by_stmatrix(name):
 
 def _grads_roles_state_warpgroups(name: str) -> int:
     """State warpgroups of a ``state_grads_roles`` variant, from its column block (``bv=``)."""
-    from flash_gdn.hopper.state_grads_roles import WG_COLS
+    from flash_gdn.hopper.state_grads_roles import state_warpgroups
 
-    return max(1, int(name.split("bv=")[1].split(",")[0].split("]")[0]) // WG_COLS)
+    return state_warpgroups(int(name.split("bv=")[1].split(",")[0].split("]")[0]))
 
 
 @pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith(GRADS_ROLES_KERNEL)))
