@@ -228,6 +228,8 @@ def split_output(cp: bool, num_seqs: int, num_v_heads: int, head_v: int, device:
 
 
 BACKWARD_MIN_SEGMENT_CHUNKS = 16
+# With 9-16 sequences x value heads, CP only for sequences at least this long on average (chunks).
+BACKWARD_CP_LONG_RUN_CHUNKS = 128
 
 
 def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> int | None:
@@ -264,7 +266,12 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
     # beat CP: 8/16 x 1x32768 2.145 ms with CP, 1.890 with 32-column CTAs; 8/16 x 1x8192
     # 0.586 -> 0.516. Up to 8, CP still pays or is even: 4/8 x 1x32768 1.126 with CP, 1.153
     # with 16-column CTAs; 2/4 x 1x32768 0.628 with CP, 1.055 with 32-column CTAs.
-    if 8 * ctas > sms:
+    # (s43) Since the truncated transitions (s39) CP pays at 9-16 too where sequences are long,
+    # segments from the device planner (one wave): H200 kernel time, 32-column CTAs -> CP,
+    # 8/16 x 1x32768 1.528 -> 1.371 ms, 8/16 x 1x16384 0.776 -> 0.721, 4/8 x 16384x2 0.781 ->
+    # 0.730, 8/16 x 1x8192 0.405 -> 0.395, 2/4 x 8192x4 0.408 -> 0.401; shorter ones lose
+    # (4/8 x 4096x2 0.219 -> 0.233), as do 17 or more (8/16 x 16384x2 1.32 -> 1.37-1.48).
+    if 8 * ctas > sms and (4 * ctas > sms or max_chunks < BACKWARD_CP_LONG_RUN_CHUNKS * num_seqs):
         return None
     seg_chunks = max(BACKWARD_MIN_SEGMENT_CHUNKS, -(-max_chunks * 2 * num_v_heads // sms))
     # Only when an average sequence is cut into at least three segments: with whole

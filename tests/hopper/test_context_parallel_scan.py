@@ -120,13 +120,15 @@ def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkey
     assert cp.backward_segment_chunks_for(2, 16, 514, dev) is None  # 8/16 x 2 sequences
     assert cp.backward_segment_chunks_for(1, 4, 32, dev) is None  # one segment
     assert cp.backward_segment_chunks_for(4, 4, 132, dev) is None  # 2/4 x 8k_4seq: whole sequences
-    assert cp.backward_segment_chunks_for(2, 8, 514, dev) is None  # 4/8 x 32k_2seq: 32-column CTAs instead
+    assert cp.backward_segment_chunks_for(2, 8, 514, dev) == 63  # 4/8 x 32k_2seq: 16 runs, long (s43)
     assert cp.backward_segment_chunks_for(1, 4, 64, dev) == 16  # 2/4 x 4k: 4 segments
     assert cp.backward_segment_chunks_for(2, 4, 130, dev) == 16  # 2/4 x 8k_2seq
     assert cp.backward_segment_chunks_for(2, 8, 130, dev) is None  # 4/8 x 8k_2seq: 32 CTAs, short
-    assert cp.backward_segment_chunks_for(4, 4, 516, dev) is None  # 2/4 x 32k_4seq: 32-column CTAs
-    assert cp.backward_segment_chunks_for(1, 16, 129, dev) is None  # 8/16 x 8k_1seq: 32-column CTAs
-    assert cp.backward_segment_chunks_for(1, 16, 512, dev) is None  # 8/16 x 32k_1seq: 32-column CTAs
+    assert cp.backward_segment_chunks_for(4, 4, 516, dev) == 32  # 2/4 x 32k_4seq: 16 runs of 128 chunks
+    assert cp.backward_segment_chunks_for(1, 16, 129, dev) == 32  # 8/16 x 8k_1seq
+    assert cp.backward_segment_chunks_for(1, 16, 512, dev) == 125  # 8/16 x 32k_1seq
+    assert cp.backward_segment_chunks_for(1, 16, 127, dev) is None  # 16 runs, short: 32-column CTAs
+    assert cp.backward_segment_chunks_for(2, 16, 1024, dev) is None  # 32 runs: never
     assert cp.backward_segment_chunks_for(4, 4, 260, dev) is None  # 2/4 x 4 sequences of 64 chunks
 
 
