@@ -5,7 +5,10 @@ context-parallel settings.
     python3 scripts/block_v_sweep.py 16/32:1x8192 8/16:1x32768 -- 128 64 32 16 64s3 -- off auto
 
 A block written ``64s32`` builds ``chunk_states`` with three pipeline stages and
-``state_grads`` with two (without the suffix: their defaults).
+``state_grads`` with two (without the suffix: their defaults); the state-gradient stages apply to
+the pipelined ``state_grads`` only (``FLASH_GDN_STATE_GRADS_ROLES=0``), the default roles kernel
+keeps its own. The backward's kept configurations are released before each block, so that the
+forced block is the one the next call plans with.
 Prints one line per (row, CP setting, block), kernel and graph time in ms, and the busiest
 kernels of that call.
 """
@@ -20,6 +23,7 @@ from flash_gdn.hopper import backward
 from flash_gdn.hopper.chunk_states import build_chunk_states
 from flash_gdn.hopper.prebuild import run_concurrently
 from flash_gdn.hopper.state_grads import build_state_grads
+from flash_gdn.hopper.state_grads_roles import build_state_grads_roles
 from cp_sweep import apply  # scripts/ is on sys.path when run as a script
 from profile_kernels import row_inputs, row_step
 
@@ -51,10 +55,11 @@ def main(argv):
               for b in (parts[1].split() if len(parts) > 1 else ["128", "64", "32"])]
     settings = parts[2].split() if len(parts) > 2 else ["off", "auto"]
     # bf16, K = V = 128: every block's sequential kernels compiled side by side first.
+    grads = ((lambda b, d: build_state_grads(128, 128, "bfloat16", d, b[0], num_stages=b[1][1]))
+             if not backward.roles_opted() else (lambda b, d: build_state_grads_roles(128, 128, "bfloat16", d, b[0])))
     run_concurrently([lambda b=b, i=i: build_chunk_states(128, 128, "bfloat16", i, b[0], num_stages=b[1][0])
                       for b in blocks for i in (False, True)]
-                     + [lambda b=b, d=d: build_state_grads(128, 128, "bfloat16", d, b[0], num_stages=b[1][1])
-                        for b in blocks for d in (False, True)])
+                     + [lambda b=b, d=d: grads(b, d) for b in blocks for d in (False, True)])
     for spec in rows:
         apply("auto")
         backward.state_block_v = _default_block_v
@@ -64,6 +69,7 @@ def main(argv):
             for block, stages in blocks:
                 backward.state_block_v = lambda head_v, runs, hv, dev, run_chunks=None, b=block: min(b, head_v)
                 _use_stages(stages)
+                backward.release_configs()  # (else the configuration kept at the first block is reused)
                 step()
                 kernel = kernel_time_ms(step, 10)
                 graph = graph_time_ms(step, 10)
