@@ -238,9 +238,12 @@ def backward_segment_chunks_for(num_seqs: int, num_v_heads: int, max_chunks: int
     Those stages run CTAs of ``backward.state_block_v`` state columns per sequence (segment,
     with CP) and value head (64 columns with CP: two CTAs per segment and head, as sized
     here); CP adds a transition pass, a second state-gradient pass and two scans whose steps
-    are sequential. ``max_chunks`` is the chunk capacity of the whole call. Segments are
-    sized so that all of them together give about one CTA per SM (2 Hv x segments ~ SMs),
-    at least ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks each.
+    are sequential. ``max_chunks`` is the chunk capacity of the whole call. CP where
+    sequences x value heads are at most SMs / 16 (8 on 132 SMs), and up to SMs / 8 where
+    sequences average at least ``BACKWARD_CP_LONG_RUN_CHUNKS`` chunks (s43); only where an
+    average sequence is cut into three or more segments. Segments are sized so that all of
+    them together give about one CTA per SM (2 Hv x segments ~ SMs), at least
+    ``BACKWARD_MIN_SEGMENT_CHUNKS`` chunks each.
 
     Sweep (H200, CUDA-graph time of the backward, two-stream version; ms): CP pays where
     sequences x heads give at most 16 CTAs - 2/4 x 1x4096 0.226 -> 0.179 (16-chunk segments),
