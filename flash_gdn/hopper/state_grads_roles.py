@@ -287,7 +287,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
             k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             w_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             do_s = T.alloc_shared((stages, CHUNK, block_v), dtype)
-            mt_s = T.alloc_shared((min(stages, MT_BUFFERS), CHUNK, CHUNK), dtype)  # M^T, formed by the producer
+            mt_s = T.alloc_shared((MT_BUFFERS, CHUNK, CHUNK), dtype)  # M^T, formed by the producer
             fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)
             # Each state warpgroup's own tiles: dS' (bf16), -D dO, dV_new.
             ds_s0 = T.alloc_shared((head_k, cols), dtype)
