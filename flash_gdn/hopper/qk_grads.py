@@ -17,6 +17,11 @@ with q and k normalised by their inverse norms:
              de_i = E_i (K dS')_i . V_new_i;  at gamma_C also e^gamma_C <S, dS'> + sum_i de_i
     dg = reverse cumsum of dgamma within the chunk
 
+Row factors go onto the fragments the products make rather than onto the shared tiles they
+read (s44: a pass over a 64 x 128 tile and its barrier cost more than a multiply per element of
+a fragment already in registers): q and k stay raw (their inverse norms are factors of Q K^T,
+of dQK's columns and of the row dots), and scale D and E multiply dO S^T and V_new dS'^T.
+
 The dq CTA takes the dgamma terms of S ((Q S) . dO) and the rows of dQK * QK, the dk CTA those
 of dS', dgamma_wy and the columns of dQK * QK. The dk CTA forms dQK^T (from V_new dO^T) and
 K Q^T rather than dQK and Q K^T, so those columns are row sums in its registers: a column sum
@@ -70,26 +75,30 @@ def _add_dg(z_s, zsum_s, dg, start, length, head):
 
 
 @T.macro
-def _add_state_term(grad, acc_v, x_tile, red, dot_s):
-    """grad += acc_v (the state product), and dot_s = the row dots of acc_v with the normalised
-    x_tile: sum_k X_ik acc_v_ik, the dgamma term of that product (acc_v is overwritten)."""
+def _add_state_term(grad, acc_v, row_f, x_tile, x_inv, red, dot_s):
+    """grad += diag(row_f) acc_v (the state product, its row factors applied here rather than to
+    its shared-memory operand: no pass over that tile and no barrier before the product), and
+    dot_s = row_f_i r_i sum_k X_ik acc_v_ik, the row dots with the normalised rows r_i X_i (x_tile
+    raw, x_inv = r): that product's dgamma term (acc_v is overwritten)."""
     for i, d in T.Parallel(CHUNK, grad.shape[1]):
-        grad[i, d] += acc_v[i, d]
+        grad[i, d] += row_f[i] * acc_v[i, d]
         acc_v[i, d] = acc_v[i, d] * T.cast(x_tile[i, d], ACCUM)
     T.reduce_sum(acc_v, red, dim=1)
-    T.copy(red, dot_s)
+    for i in T.Parallel(CHUNK):
+        dot_s[i] = red[i] * (row_f[i] * x_inv[i])
 
 
 @T.macro
 def _l2_backward_store(grad, tmp, red, dot_s, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
     """out rows = grad, through the L2 norm's backward when ``normalize``:
-    dx = r (dx_hat - (dx_hat . x_hat) x_hat), x_hat the normalised tile, r its inverse norms.
-    The rows go out through the shared tile ``stage`` (a whole chunk by one TMA store)."""
+    dx = r (dx_hat - (dx_hat . x_hat) x_hat), x_hat = r x the normalised rows (x_tile holds x
+    raw, x_inv = r). The rows go out through the shared tile ``stage`` (a whole chunk by one TMA store)."""
     if normalize != 0:
         for i, d in T.Parallel(CHUNK, grad.shape[1]):
             tmp[i, d] = grad[i, d] * T.cast(x_tile[i, d], ACCUM)
         T.reduce_sum(tmp, red, dim=1)
-        T.copy(red, dot_s)
+        for i in T.Parallel(CHUNK):
+            dot_s[i] = red[i] * (x_inv[i] * x_inv[i])  # (dx_hat . x_hat) r
         for i, d in T.Parallel(CHUNK, grad.shape[1]):
             grad[i, d] = x_inv[i] * (grad[i, d] - dot_s[i] * T.cast(x_tile[i, d], ACCUM))
     T.copy(grad, stage)
@@ -167,8 +176,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
         with T.Kernel(num_chunks * 2, num_qk_heads, threads=threads) as (bx, qk_head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            do_tile = T.alloc_shared((CHUNK, head_v), dtype)  # dO, then (scale D dO) in the dq CTA
-            vn_tile = T.alloc_shared((CHUNK, head_v), dtype)  # V_new, then E V_new in the dk CTA
+            do_tile = T.alloc_shared((CHUNK, head_v), dtype)  # dO (dk CTA: then dk_wy)
+            vn_tile = T.alloc_shared((CHUNK, head_v), dtype)  # V_new
             st_tile = T.alloc_shared((head_k, head_v), dtype)  # S (dq CTA) or dS' (dk CTA)
             dqk_s = T.alloc_shared((CHUNK, CHUNK), dtype)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
@@ -177,7 +186,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             row_f = T.alloc_shared((CHUNK,), ACCUM)  # scale D (dq CTA) or E (dk CTA)
             msum_s = T.alloc_shared((CHUNK,), ACCUM)  # row sums of dm * qk: dQK * QK's rows (dq) or columns (dk)
-            dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de
+            dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de (_add_state_term)
             sd_s = T.alloc_shared((SD_ROWS,), ACCUM)
             z_s = T.alloc_shared((2 * CHUNK,), ACCUM)  # [dgamma; y] (_add_dg)
             zsum_s = T.alloc_shared((2 * CHUNK,), ACCUM)
@@ -225,16 +234,22 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     exact_s = T.if_then_else(T.And(has_h0 != 0, start == seq_info[seq, 0]), 1, 0)
                     exact_ds = T.if_then_else(T.And(has_dht != 0, start + length == seq_info[seq, 1]), 1, 0)
                 T.mbarrier_wait_parity(qk_ready, 0)
-                for i, d in T.Parallel(CHUNK, head_k):
-                    q_tile[i, d] = T.cast(q_tile[i, d] * q_inv[i], dtype)
-                    k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
                 T.clear(grad)
-                # Q K^T (dq CTA) or its transpose K Q^T (dk CTA), normalised: the same for every value
-                # head of the group, once, kept in registers.
+                # q and k stay raw in shared memory: their inverse norms (r_q, r_k) enter as row factors
+                # of the fragments that the tiles multiply, no pass over the tiles (normalised,
+                # Q_hat = diag(r_q) Q). Q K^T (dq CTA) or its transpose K Q^T (dk CTA), here with its
+                # own side's factor, r_q Q K^T (r_k K Q^T): dm below carries the other side's as a
+                # column factor (dQK diag(r_k), dQK^T diag(r_q)), so dm * qk is dQK * Q_hat K_hat^T
+                # and dm's product with the raw tile is dQK K_hat (dQK^T Q_hat). The same for every
+                # value head of the group, once, kept in registers.
                 if role == 0:
                     T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        qk[i, j] = qk[i, j] * q_inv[i]
                 else:
                     T.gemm(k_tile, q_tile, qk, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        qk[i, j] = qk[i, j] * k_inv[i]
 
                 for member in T.serial(group):
                     head = qk_head * group + member
@@ -259,12 +274,13 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     if role == 0:
                         T.gemm(do_tile, vn_tile, dm, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(CHUNK, CHUNK):
-                            dm[i, j] = T.Select(i >= j, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                            dm[i, j] = (T.Select(i >= j, dm[i, j] * scale, T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                                        * k_inv[j])
                     else:
                         T.gemm(vn_tile, do_tile, dm, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(CHUNK, CHUNK):
                             dm[i, j] = (T.Select(j >= i, dm[i, j] * scale, T.cast(0, ACCUM))
-                                        * pair_decay(gamma_s[j], gamma_s[i]))
+                                        * pair_decay(gamma_s[j], gamma_s[i]) * q_inv[j])
                     T.copy(dm, dqk_s)
                     # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
                     # of its CTA's dm * qk.
@@ -273,19 +289,17 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     T.reduce_sum(dm, red_a, dim=1)
                     T.copy(red_a, msum_s)
                     if role == 0:
-                        # dO is read: its tile now holds scale D dO.
-                        for i, j in T.Parallel(CHUNK, head_v):
-                            do_tile[i, j] = T.cast(T.cast(do_tile[i, j], ACCUM) * row_f[i], dtype)
-                        # dq += dQK K + (scale D dO) S^T. The state term goes through acc_v on its own:
-                        # its row dot with the normalised q is a dgamma term (no Q S product needed):
-                        #   (Q S)_i . (scale D dO)_i = sum_k Q_ik ((scale D dO) S^T)_ik
+                        # dq += dQK K + (scale D dO) S^T = dQK K + scale D (dO S^T). The state term goes
+                        # through acc_v on its own: its row dot with the normalised q is a dgamma term
+                        # (no Q S product needed):
+                        #   (Q S)_i . (scale D dO)_i = scale D_i sum_k Q_ik (dO S^T)_ik
                         T.mbarrier_wait_parity(st_ready, member % 2)
                         T.wgmma_gemm(dqk_s, k_tile, grad)
                         T.wgmma_gemm(do_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
                         _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
                                            start, chunk_id, head, member, group, role, head_k, head_v)
-                        _add_state_term(grad, acc_v, q_tile, red_a, dot_s)
+                        _add_state_term(grad, acc_v, row_f, q_tile, q_inv, red_a, dot_s)
                         for i in T.Parallel(2 * CHUNK):
                             z_s[i] = T.if_then_else(i < length, msum_s[i % CHUNK] + dot_s[i % CHUNK],
                                                     T.cast(0, ACCUM))
@@ -298,11 +312,9 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.tma_copy(dk_wy[start:start + CHUNK, head, 0:head_k], do_tile, barrier=wy_ready)
                         T.tma_copy(dgamma_wy[head, chunk_id, 0:CHUNK], dgw_s, barrier=wy_ready)
                         T.barrier_arrive(wy_ready)
-                        # V_new is read: its tile now holds E V_new.
-                        for i, j in T.Parallel(CHUNK, head_v):
-                            vn_tile[i, j] = T.cast(T.cast(vn_tile[i, j], ACCUM) * row_f[i], dtype)
-                        # dk += dQK^T Q + (E V_new) dS'^T; the state term's row dot with the normalised k:
-                        #   E_i (K dS')_i . V_new_i = sum_k K_ik ((E V_new) dS'^T)_ik = de_i
+                        # dk += dQK^T Q + (E V_new) dS'^T = dQK^T Q + E (V_new dS'^T); the state term's row
+                        # dot with the normalised k:
+                        #   E_i (K dS')_i . V_new_i = E_i sum_k K_ik (V_new dS'^T)_ik = de_i
                         T.mbarrier_wait_parity(st_ready, member % 2)
                         # <S, dS'>: blocks of SD_ROWS rows, S from global memory (the dq CTA beside this
                         # one loads the same S: an L2 hit), products summed element-wise over the blocks,
@@ -336,7 +348,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                             grad[i, d] += T.cast(do_tile[i, d], ACCUM)
                         _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
                                            start, chunk_id, head, member, group, role, head_k, head_v)
-                        _add_state_term(grad, acc_v, k_tile, red_a, dot_s)
+                        _add_state_term(grad, acc_v, row_f, k_tile, k_inv, red_a, dot_s)
                         # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so every
                         # dg of the chunk (a reverse cumsum) gains X: it goes in as y (_add_dg).
                         for i in T.Parallel(2 * CHUNK):

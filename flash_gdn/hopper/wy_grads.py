@@ -147,9 +147,11 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal).
                 T.mbarrier_wait_parity(v_ready, 0)
                 T.gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
-                T.gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
-                # dV = A_u^T dV_new, out through V's tile (read for the last time just above) by TMA.
-                T.gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
+                # dV = A_u^T dV_new (issued with dA_w), out through V's tile (read for the last time
+                # by dA_u's product) by TMA.
+                T.wgmma_gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
+                T.wait_wgmma(0)
                 T.copy(dv_acc, v_tile)
                 store_chunk_rows(v_tile, dv, start, length, head, 0, wait=False)  # waited for by dK_wy's store
                 for i, j in T.Parallel(CHUNK, CHUNK):
@@ -181,8 +183,10 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # here: a 64 x 64 x K product is cheaper than holding it in fp32 shared memory).
                 T.gemm(ar_h, dar_h, tmp, transpose_A=True, clear_accum=True)
                 T.copy(tmp, t_h)
-                T.gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
-                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                # (K K^T issued with the second product and waited for with it.)
+                T.wgmma_gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     tmp[i, j] = T.Select(i > j, -tmp[i, j], T.cast(0, ACCUM))
                     dar[i, j] = beta_s[i] * tmp[i, j]
@@ -193,11 +197,13 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 T.copy(red_l, lrow_s)
 
                 # dK_wy = A_w^T dW + (dKK + dKK^T) K.
-                T.gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
                 # (dKK + dKK^T) K as two products: dKK is strictly lower, so the sum has one term
-                # per element, and the transposed read costs the product nothing.
-                T.gemm(dkk_s, k_tile, dw_acc)
-                T.gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
+                # per element, and the transposed read costs the product nothing. The three are
+                # issued back to back and waited for once.
+                T.wgmma_gemm(dkk_s, k_tile, dw_acc)
+                T.wgmma_gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
+                T.wait_wgmma(0)
                 # Out through dV_new's tile (dead since dV) by TMA, in the input dtype.
                 T.copy(dw_acc, dvn_tile)
                 store_chunk_rows(dvn_tile, dk_wy, start, length, head, 0)

@@ -206,6 +206,33 @@ def test_qk_grads_loads_each_value_heads_tiles_a_value_head_ahead(name):
         assert between.index("__syncthreads();") < len(between) - 1 - between[::-1].index("tl::fence_proxy_async();")
 
 
+def _stores_into(source: str, tile: str) -> list[str]:
+    """The generated lines that write the shared tile ``tile`` from the threads (vector or
+    scalar stores, stmatrix); TMA loads into it are not among them."""
+    found = []
+    for line in (raw.strip() for raw in source.splitlines()):
+        if "stmatrix" in line and f"*){tile})" in line:
+            found.append(line)
+        elif line.startswith(("*(", "((")) and " = " in line and f"*){tile})" in line.split(" = ", 1)[0]:
+            found.append(line)
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("qk_grads")))
+def test_qk_grads_keeps_q_and_k_raw_in_shared_memory(name):
+    """q and k enter qk_grads' products as loaded: their inverse norms are factors of the
+    fragments those products make or read (Q K^T's rows, dQK's columns, the row dots), not a
+    pass over the two tiles before the first product (s44: each such pass on the CTA's path
+    cost more than the multiplies on fragments)."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    for tile in ("q_tile", "k_tile"):
+        assert f"*){tile})" in source, f"{name}: no {tile} in the source"
+        assert not _stores_into(source, tile), f"{name}: {tile} written by the threads"
+
+
 def _assemble(source: str, tmp_path, *extra: str):
     """nvcc on a kernel's generated CUDA with the flags TileLang compiles it with here
     (``launch.COMPILE_FLAGS``), to an object file; the completed process (ptxas's report in stderr)."""
