@@ -89,6 +89,35 @@ def _add_state_term(grad, acc_v, row_f, x_tile, x_inv, red, dot_s):
 
 
 @T.macro
+def _add_state_term_rowdot(grad, acc_v, row_f, x_tile, x_inv, red, p_prev, dot_s):
+    """The dq CTA's member step: grad += diag(row_f) acc_v, then dot_s = r_i (P_i - P'_i) with
+    P_i = sum_k X_ik grad_ik the row dots of raw q with dq after this member and P' before it
+    (``p_prev``, updated here). The member added dQK K_hat (its product) and diag(row_f) acc_v to
+    dq, so dot_s is the sum of its two dgamma row terms:
+        r_i q_i . (dQK K_hat)_i = sum_j dQK_ij (q_hat_i . k_hat_j)   (rows of dQK * Q_hat K_hat^T)
+        r_i q_i . (scale D dO S^T)_i = (Q_hat S)_i . (scale D dO)_i  (the state term)
+    one pass and one row reduction for both, and no Q K^T."""
+    for i, d in T.Parallel(CHUNK, grad.shape[1]):
+        grad[i, d] += row_f[i] * acc_v[i, d]
+        acc_v[i, d] = grad[i, d] * T.cast(x_tile[i, d], ACCUM)
+    T.reduce_sum(acc_v, red, dim=1)
+    for i in T.Parallel(CHUNK):
+        dot_s[i] = (red[i] - p_prev[i]) * x_inv[i]
+        p_prev[i] = red[i]
+
+
+@T.macro
+def _l2_backward_store_rowdot(grad, rowdot, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
+    """_l2_backward_store with the row dots x_i . grad_i (raw x) already known (``rowdot``):
+    (dx_hat . x_hat) r = rowdot r^2."""
+    if normalize != 0:
+        for i, d in T.Parallel(CHUNK, grad.shape[1]):
+            grad[i, d] = x_inv[i] * (grad[i, d] - rowdot[i] * (x_inv[i] * x_inv[i]) * T.cast(x_tile[i, d], ACCUM))
+    T.copy(grad, stage)
+    store_chunk_rows(stage, out, start, length, qk_head, 0)
+
+
+@T.macro
 def _l2_backward_store(grad, tmp, red, dot_s, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
     """out rows = grad, through the L2 norm's backward when ``normalize``:
     dx = r (dx_hat - (dx_hat . x_hat) x_hat), x_hat = r x the normalised rows (x_tile holds x
@@ -193,6 +222,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dm = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             red_a = T.alloc_fragment((CHUNK,), ACCUM)
+            p_prev = T.alloc_fragment((CHUNK,), ACCUM)  # dq CTA: the row dots q_i . dq_i so far (raw q)
             sd_part = T.alloc_fragment((SD_ROWS, head_v), ACCUM)
             red_sd = T.alloc_fragment((SD_ROWS,), ACCUM)
             grad = T.alloc_fragment((CHUNK, head_k), ACCUM)  # dq or dk, summed over the group
@@ -242,10 +272,10 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                 # column factor (dQK diag(r_k), dQK^T diag(r_q)), so dm * qk is dQK * Q_hat K_hat^T
                 # and dm's product with the raw tile is dQK K_hat (dQK^T Q_hat). The same for every
                 # value head of the group, once, kept in registers.
+                # (The dq CTA needs no Q K^T: its rows of dQK * Q_hat K_hat^T come from a row dot of q with
+                # dq's increment, _add_state_term_rowdot.)
                 if role == 0:
-                    T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        qk[i, j] = qk[i, j] * q_inv[i]
+                    T.clear(p_prev)
                 else:
                     T.gemm(k_tile, q_tile, qk, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(CHUNK, CHUNK):
@@ -282,12 +312,13 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                             dm[i, j] = (T.Select(j >= i, dm[i, j] * scale, T.cast(0, ACCUM))
                                         * pair_decay(gamma_s[j], gamma_s[i]) * q_inv[j])
                     T.copy(dm, dqk_s)
-                    # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
-                    # of its CTA's dm * qk.
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        dm[i, j] = dm[i, j] * qk[i, j]
-                    T.reduce_sum(dm, red_a, dim=1)
-                    T.copy(red_a, msum_s)
+                    if role == 1:
+                        # dgamma's column terms of M: the columns of dQK * Q_hat K_hat^T, row sums of dm * qk
+                        # here (the dq CTA's row terms come with its state term's row dot).
+                        for i, j in T.Parallel(CHUNK, CHUNK):
+                            dm[i, j] = dm[i, j] * qk[i, j]
+                        T.reduce_sum(dm, red_a, dim=1)
+                        T.copy(red_a, msum_s)
                     if role == 0:
                         # dq += dQK K + (scale D dO) S^T = dQK K + scale D (dO S^T). The state term goes
                         # through acc_v on its own: its row dot with the normalised q is a dgamma term
@@ -299,10 +330,9 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.wait_wgmma(0)
                         _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
                                            start, chunk_id, head, member, group, role, head_k, head_v)
-                        _add_state_term(grad, acc_v, row_f, q_tile, q_inv, red_a, dot_s)
+                        _add_state_term_rowdot(grad, acc_v, row_f, q_tile, q_inv, red_a, p_prev, dot_s)
                         for i in T.Parallel(2 * CHUNK):
-                            z_s[i] = T.if_then_else(i < length, msum_s[i % CHUNK] + dot_s[i % CHUNK],
-                                                    T.cast(0, ACCUM))
+                            z_s[i] = T.if_then_else(i < length, dot_s[i % CHUNK], T.cast(0, ACCUM))
                         _add_dg(z_s, zsum_s, dg, start, length, head)
                     else:
                         # dO is read (dM above): its tile takes this member's dk_wy by TMA (K = V), added
@@ -362,7 +392,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
 
                 # The L2 norm's backward (row factors r = q_inv, k_inv), then the writes.
                 if role == 0:
-                    _l2_backward_store(grad, acc_v, red_a, dot_s, q_tile, q_inv, normalize, do_tile, dq, start, length, qk_head)
+                    _l2_backward_store_rowdot(grad, p_prev, q_tile, q_inv, normalize, do_tile, dq, start, length, qk_head)
                 else:
                     _l2_backward_store(grad, acc_v, red_a, dot_s, k_tile, k_inv, normalize, do_tile, dk, start, length, qk_head)
 

@@ -121,14 +121,12 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # select masks: a select with a shared-memory load in an operand compiles to a branch
                 # per element).
                 T.mbarrier_wait_parity(ar_ready, 0)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j] * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM))
-                                 * pair_decay(gamma_s[i], gamma_s[j]))
+                for i, j in T.Parallel(CHUNK, CHUNK):  # both from one read of A_r (dar is free until dA_r)
+                    tmp[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j] * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM)))
+                    dar[i, j] = tmp[i, j] * T.__exp(gamma_s[i])
+                    tmp[i, j] = tmp[i, j] * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(tmp, au_s)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j] * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM))
-                                 * T.__exp(gamma_s[i]))
-                T.copy(tmp, aw_s)
+                T.copy(dar, aw_s)
                 T.mbarrier_wait_parity(k_ready, 0)
                 for i, d in T.Parallel(CHUNK, head_k):
                     k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
@@ -152,8 +150,17 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # by dA_u's product) by TMA.
                 T.wgmma_gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
                 T.wait_wgmma(0)
+                # dgamma's column terms of R_u = dA_u * A_u as row dots: A_u is lower triangular, so
+                #   sum_i (dV_new V^T)_ij A_u_ij = sum_v V_jv (A_u^T dV_new)_jv = V_j . dV_j
+                # (the same bf16 operands as dV's product): a row sum over dV's fragment instead of a
+                # column sum over dA_u's, which crosses shared memory twice. dW's fragment is free
+                # (dW went to its shared tile) and takes the products; V's tile then takes dV.
+                for i, d in T.Parallel(CHUNK, head_v):
+                    dw_acc[i, d] = dv_acc[i, d] * T.cast(v_tile[i, d], ACCUM)
                 T.copy(dv_acc, v_tile)
                 store_chunk_rows(v_tile, dv, start, length, head, 0, wait=False)  # waited for by dK_wy's store
+                T.reduce_sum(dw_acc, red_c, dim=1, batch=2)
+                T.copy(red_c, cols_s)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     dau[i, j] = T.Select(i >= j, dau[i, j], T.cast(0, ACCUM))
                     daw[i, j] = T.Select(i >= j, daw[i, j], T.cast(0, ACCUM))
@@ -170,12 +177,9 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 # layout goes through shared memory twice: ~2.5k cycles a call unbatched, b24).
                 T.reduce_sum(tmp, red_x, dim=0, batch=8)
                 T.copy(red_x, xcol_s)
-                # dgamma terms: R_u = dA_u * A_u, R_w = dA_w * A_w.
+                # dgamma's row terms: R_u = dA_u * A_u, R_w = dA_w * A_w (R_u's columns came from dV above).
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    dau[i, j] = dau[i, j] * T.cast(au_s[i, j], ACCUM)
-                    daw[i, j] = daw[i, j] * T.cast(aw_s[i, j], ACCUM) + dau[i, j]
-                T.reduce_sum(dau, red_c, dim=0, batch=8)
-                T.copy(red_c, cols_s)
+                    daw[i, j] = daw[i, j] * T.cast(aw_s[i, j], ACCUM) + dau[i, j] * T.cast(au_s[i, j], ACCUM)
                 T.reduce_sum(daw, red_r, dim=1, batch=2)
                 T.copy(red_r, rows_s)
 
