@@ -23,10 +23,14 @@ a fragment already in registers): q and k stay raw (their inverse norms are fact
 of dQK's columns and of the row dots), and scale D and E multiply dO S^T and V_new dS'^T.
 
 The dq CTA takes the dgamma terms of S ((Q S) . dO) and the rows of dQK * QK, the dk CTA those
-of dS', dgamma_wy and the columns of dQK * QK. The dk CTA forms dQK^T (from V_new dO^T) and
-K Q^T rather than dQK and Q K^T, so those columns are row sums in its registers: a column sum
-across the accumulator's layout crosses shared memory twice for each of the 8 elements a thread
-holds, a row sum once for its 2 (b24). Each CTA adds the reverse cumsum of its part to dg
+of dS', dgamma_wy and the columns of dQK * QK. The dq CTA's two are one row dot (s45): the rows
+of dQK * Q_hat K_hat^T are r_i q_i . (dQK K_hat)_i, the state term r_i q_i . (scale D dO S^T)_i,
+and both products are what it adds to dq, so the member's terms are r_i (q_i . dq_i after it -
+q_i . dq_i before it): no Q K^T, one reduction a member (and, with the L2 norm, the last row dot
+is the x . dx_hat of the norm's backward). The dk CTA forms dQK^T (from V_new dO^T) and K Q^T
+rather than dQK and Q K^T, so its columns are row sums in its registers: a column sum across the
+accumulator's layout crosses shared memory twice for each of the 8 elements a thread holds, a row
+sum once for its 2 (b24). (It keeps them apart from de_i, whose sum over the chunk enters every row.) Each CTA adds the reverse cumsum of its part to dg
 (zeroed by ``wy_grads``) by one atomic add per element: exactly two fp32 adds onto zero, whose
 result does not depend on their order (a + b = b + a), so dg stays deterministic.
 
@@ -40,7 +44,7 @@ stores them.
 The split halves each CTA's registers and shared memory (one 128 x 128 state tile, h or dh;
 <S, dS'> takes S from global memory), so two CTAs fit on an SM and one's products run under
 the other's element-wise phases and loads. The price: both CTAs form dQK or its transpose (one
-64 x 64 x V product per value head, and Q K^T or K Q^T once) and load q, k, dO and V_new.
+64 x 64 x V product per value head; the dk CTA also K Q^T once) and load q, k, dO and V_new.
 
 With ``normalize`` (use_qk_l2norm_in_kernel) the gradient goes back through x_hat = x r,
 r = 1 / sqrt(|x|^2 + eps):  dx = r (dx_hat - (dx_hat . x_hat) x_hat).

@@ -9,6 +9,8 @@ beta, gamma, the state at the chunk's start h and dV_new (stages 1 and 2):
     dbeta_j = sum_i dL_ji (K K^T)_ji + sum_i (Gamma dA_u + e^gamma_i dA_w)_ij A_r_ij
     dgamma_wy = row sums of (dA_u A_u + dA_w A_w) - column sums of (dA_u A_u)
 
+The column sums of R_u = dA_u * A_u come from dV as row dots (A_u lower triangular:
+sum_i dA_u_ij A_u_ij = V_j . dV_j), not from a column reduction (s45).
 A_r comes from ``prepare_wu`` (``write_inverse``, fp16); A_u and A_w are rebuilt from it with
 beta and the gates as there (keys normalised by ``k_norm_inv``);
 dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
