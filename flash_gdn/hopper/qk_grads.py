@@ -30,9 +30,10 @@ q_i . dq_i before it): no Q K^T, one reduction a member (and, with the L2 norm, 
 is the x . dx_hat of the norm's backward). The dk CTA forms dQK^T (from V_new dO^T) and K Q^T
 rather than dQK and Q K^T, so its columns are row sums in its registers: a column sum across the
 accumulator's layout crosses shared memory twice for each of the 8 elements a thread holds, a row
-sum once for its 2 (b24). (It keeps them apart from de_i, whose sum over the chunk enters every row.) Each CTA adds the reverse cumsum of its part to dg
-(zeroed by ``wy_grads``) by one atomic add per element: exactly two fp32 adds onto zero, whose
-result does not depend on their order (a + b = b + a), so dg stays deterministic.
+sum once for its 2 (b24). (It keeps them apart from de_i, whose sum over the chunk enters every
+row.) Each CTA adds the reverse cumsum of its part to dg (zeroed by ``wy_grads``) by one atomic
+add per element: exactly two fp32 adds onto zero, whose result does not depend on their order
+(a + b = b + a), so dg stays deterministic.
 
 <S, dS'> is a sum of K V products that can cancel to a small remainder; with S and dS' rounded
 to bf16 a large state leaves an absolute error of ~2^-9 sqrt(sum (S dS')^2) in it (0.1 and more in
@@ -218,7 +219,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             row_f = T.alloc_shared((CHUNK,), ACCUM)  # scale D (dq CTA) or E (dk CTA)
-            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # row sums of dm * qk: dQK * QK's rows (dq) or columns (dk)
+            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # dk CTA: row sums of dm * qk, dQK * QK's columns
             dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de (_add_state_term)
             sd_s = T.alloc_shared((SD_ROWS,), ACCUM)
             z_s = T.alloc_shared((2 * CHUNK,), ACCUM)  # [dgamma; y] (_add_dg)
@@ -271,13 +272,12 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                 T.clear(grad)
                 # q and k stay raw in shared memory: their inverse norms (r_q, r_k) enter as row factors
                 # of the fragments that the tiles multiply, no pass over the tiles (normalised,
-                # Q_hat = diag(r_q) Q). Q K^T (dq CTA) or its transpose K Q^T (dk CTA), here with its
-                # own side's factor, r_q Q K^T (r_k K Q^T): dm below carries the other side's as a
-                # column factor (dQK diag(r_k), dQK^T diag(r_q)), so dm * qk is dQK * Q_hat K_hat^T
-                # and dm's product with the raw tile is dQK K_hat (dQK^T Q_hat). The same for every
-                # value head of the group, once, kept in registers.
-                # (The dq CTA needs no Q K^T: its rows of dQK * Q_hat K_hat^T come from a row dot of q with
-                # dq's increment, _add_state_term_rowdot.)
+                # Q_hat = diag(r_q) Q). dm below carries the other side's factor as a column factor
+                # (dQK diag(r_k), dQK^T diag(r_q)), so dm's product with the raw tile is dQK K_hat
+                # (dQK^T Q_hat). The dk CTA forms K Q^T with its own side's factor, r_k K Q^T, so that
+                # dm * qk is (dQK * Q_hat K_hat^T)^T: the same for every value head of the group, once,
+                # kept in registers. The dq CTA needs no Q K^T: its rows of dQK * Q_hat K_hat^T come
+                # from a row dot of q with dq (_add_state_term_rowdot); p_prev holds those row dots.
                 if role == 0:
                     T.clear(p_prev)
                 else:
@@ -325,8 +325,8 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.copy(red_a, msum_s)
                     if role == 0:
                         # dq += dQK K + (scale D dO) S^T = dQK K + scale D (dO S^T). The state term goes
-                        # through acc_v on its own: its row dot with the normalised q is a dgamma term
-                        # (no Q S product needed):
+                        # through acc_v and is added with its row factor; the row dot of q with dq then
+                        # gives this member's dgamma row terms (no Q S product needed):
                         #   (Q S)_i . (scale D dO)_i = scale D_i sum_k Q_ik (dO S^T)_ik
                         T.mbarrier_wait_parity(st_ready, member % 2)
                         T.wgmma_gemm(dqk_s, k_tile, grad)
