@@ -101,122 +101,126 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             qk_head = head // (num_v_heads // num_qk_heads)
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
-            if length > 0:
-                # The five tiles by TMA, all in flight at once; each is waited for before its first use.
-                T.tma_copy(a_r[chunk_id, head, 0:CHUNK, 0:CHUNK], ar_h, barrier=ar_ready)
-                T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
-                T.tma_copy(dv_new[start:start + CHUNK, head, 0:head_v], dvn_tile, barrier=dvn_ready)
-                T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile, barrier=h_ready)
-                T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
-                T.barrier_arrive(ar_ready)
-                T.barrier_arrive(k_ready)
-                T.barrier_arrive(dvn_ready)
-                T.barrier_arrive(h_ready)
-                T.barrier_arrive(v_ready)
-                T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
-                T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
-                for i in T.Parallel(CHUNK):
-                    beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
+            # No guard on length > 0 (an unused chunk slot of a varlen plan, bounds (0, 0)): such a CTA
+            # computes on whatever its slot holds and writes only its own dgamma_wy row, which nothing
+            # reads; every other write is masked by length. A guard here is split by TileLang into one
+            # test per statement, and ptxas then cannot see that a product's wait ran on every path.
+            # The five tiles by TMA, all in flight at once; each is waited for before its first use.
+            T.tma_copy(a_r[chunk_id, head, 0:CHUNK, 0:CHUNK], ar_h, barrier=ar_ready)
+            T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
+            T.tma_copy(dv_new[start:start + CHUNK, head, 0:head_v], dvn_tile, barrier=dvn_ready)
+            T.tma_copy(h[chunk_id, head, 0:head_k, 0:head_v], h_tile, barrier=h_ready)
+            T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
+            T.barrier_arrive(ar_ready)
+            T.barrier_arrive(k_ready)
+            T.barrier_arrive(dvn_ready)
+            T.barrier_arrive(h_ready)
+            T.barrier_arrive(v_ready)
+            T.copy(gamma[head, chunk_id, 0:CHUNK], gamma_s)
+            T.copy(k_norm_inv[qk_head, chunk_id, 0:CHUNK], k_inv)
+            for i in T.Parallel(CHUNK):
+                beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
 
-                # A_u = A_r diag(beta) with the pair decay, A_w = diag(e^gamma) A_r diag(beta), lower
-                # triangles (above the diagonal the exponent is clamped, tiles.pair_decay, and a 0/1
-                # select masks: a select with a shared-memory load in an operand compiles to a branch
-                # per element).
-                T.mbarrier_wait_parity(ar_ready, 0)
-                for i, j in T.Parallel(CHUNK, CHUNK):  # both from one read of A_r (dar is free until dA_r)
-                    tmp[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j] * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM)))
-                    dar[i, j] = tmp[i, j] * T.__exp(gamma_s[i])
-                    tmp[i, j] = tmp[i, j] * pair_decay(gamma_s[i], gamma_s[j])
-                T.copy(tmp, au_s)
-                T.copy(dar, aw_s)
-                T.mbarrier_wait_parity(k_ready, 0)
-                for i, d in T.Parallel(CHUNK, head_k):
-                    k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
-                T.mbarrier_wait_parity(dvn_ready, 0)
-                if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
-                    for i, j in T.Parallel(CHUNK, head_v):
-                        dvn_tile[i, j] = T.if_then_else(i < length, dvn_tile[i, j], T.cast(0, dtype))
+            # A_u = A_r diag(beta) with the pair decay, A_w = diag(e^gamma) A_r diag(beta), lower
+            # triangles (above the diagonal the exponent is clamped, tiles.pair_decay, and a 0/1
+            # select masks: a select with a shared-memory load in an operand compiles to a branch
+            # per element).
+            T.mbarrier_wait_parity(ar_ready, 0)
+            for i, j in T.Parallel(CHUNK, CHUNK):  # both from one read of A_r (dar is free until dA_r)
+                tmp[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j] * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM)))
+                dar[i, j] = tmp[i, j] * T.__exp(gamma_s[i])
+                tmp[i, j] = tmp[i, j] * pair_decay(gamma_s[i], gamma_s[j])
+            T.copy(tmp, au_s)
+            T.copy(dar, aw_s)
+            T.mbarrier_wait_parity(k_ready, 0)
+            for i, d in T.Parallel(CHUNK, head_k):
+                k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
+            T.mbarrier_wait_parity(dvn_ready, 0)
+            if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
+                for i, j in T.Parallel(CHUNK, head_v):
+                    dvn_tile[i, j] = T.if_then_else(i < length, dvn_tile[i, j], T.cast(0, dtype))
 
-                # dW = -dV_new S^T.
-                T.mbarrier_wait_parity(h_ready, 0)
-                T.gemm(dvn_tile, h_tile, dw_acc, transpose_B=True, clear_accum=True)
-                for i, d in T.Parallel(CHUNK, head_k):
-                    dw_acc[i, d] = -dw_acc[i, d]
-                T.copy(dw_acc, dw_s)
+            # dW = -dV_new S^T and dV = A_u^T dV_new: both read dV_new's tile and tiles that are in (h,
+            # A_u), so they go out together, then dA_u with dA_w: two product waits on the chain
+            # instead of three (dW, dA_u, then dA_w with dV).
+            T.mbarrier_wait_parity(h_ready, 0)
+            T.wgmma_gemm(dvn_tile, h_tile, dw_acc, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, d in T.Parallel(CHUNK, head_k):
+                dw_acc[i, d] = -dw_acc[i, d]
+            T.copy(dw_acc, dw_s)
+            # dgamma's column terms of R_u = dA_u * A_u as row dots: A_u is lower triangular, so
+            #   sum_i (dV_new V^T)_ij A_u_ij = sum_v V_jv (A_u^T dV_new)_jv = V_j . dV_j
+            # (the same bf16 operands as dV's product): a row sum over dV's fragment instead of a
+            # column sum over dA_u's, which crosses shared memory twice. dW's fragment is free (dW
+            # went to its shared tile) and takes the element products.
+            T.mbarrier_wait_parity(v_ready, 0)
+            for i, d in T.Parallel(CHUNK, head_v):
+                dw_acc[i, d] = dv_acc[i, d] * T.cast(v_tile[i, d], ACCUM)
+            T.reduce_sum(dw_acc, red_c, dim=1, batch=2)
+            T.copy(red_c, cols_s)
+            # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal), issued together.
+            T.wgmma_gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            # dV out through V's tile (read for the last time by dA_u's product) by TMA.
+            T.copy(dv_acc, v_tile)
+            store_chunk_rows(v_tile, dv, start, length, head, 0, wait=False)  # waited for by dK_wy's store
+            for i, j in T.Parallel(CHUNK, CHUNK):
+                dau[i, j] = T.Select(i >= j, dau[i, j], T.cast(0, ACCUM))
+                daw[i, j] = T.Select(i >= j, daw[i, j], T.cast(0, ACCUM))
+            # dA_r, and the beta column terms X_ij = (Gamma dA_u + e^gamma_i dA_w) A_r
+            # (G_ij = Gamma dA_u + e^gamma_i dA_w; dA_r = G diag(beta)).
+            for i, j in T.Parallel(CHUNK, CHUNK):
+                dar[i, j] = (T.Select(i >= j, dau[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                             + T.__exp(gamma_s[i]) * daw[i, j])
+                tmp[i, j] = dar[i, j] * T.cast(ar_h[i, j], ACCUM)
+                dar[i, j] = dar[i, j] * beta_s[j]
+            T.copy(dar, dar_h)
+            # batch: a thread's 8 column sums (2 row sums) cross the warps together, one pair of
+            # barriers a level for all of them instead of one per element (a column sum of this
+            # layout goes through shared memory twice: ~2.5k cycles a call unbatched, b24).
+            T.reduce_sum(tmp, red_x, dim=0, batch=8)
+            T.copy(red_x, xcol_s)
+            # dgamma's row terms: R_u = dA_u * A_u, R_w = dA_w * A_w (R_u's columns came from dV above).
+            for i, j in T.Parallel(CHUNK, CHUNK):
+                daw[i, j] = daw[i, j] * T.cast(aw_s[i, j], ACCUM) + dau[i, j] * T.cast(au_s[i, j], ACCUM)
+            T.reduce_sum(daw, red_r, dim=1, batch=2)
+            T.copy(red_r, rows_s)
 
-                # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal).
-                T.mbarrier_wait_parity(v_ready, 0)
-                T.gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
-                # dV = A_u^T dV_new (issued with dA_w), out through V's tile (read for the last time
-                # by dA_u's product) by TMA.
-                T.wgmma_gemm(au_s, dvn_tile, dv_acc, transpose_A=True, clear_accum=True)
-                T.wait_wgmma(0)
-                # dgamma's column terms of R_u = dA_u * A_u as row dots: A_u is lower triangular, so
-                #   sum_i (dV_new V^T)_ij A_u_ij = sum_v V_jv (A_u^T dV_new)_jv = V_j . dV_j
-                # (the same bf16 operands as dV's product): a row sum over dV's fragment instead of a
-                # column sum over dA_u's, which crosses shared memory twice. dW's fragment is free
-                # (dW went to its shared tile) and takes the products; V's tile then takes dV.
-                for i, d in T.Parallel(CHUNK, head_v):
-                    dw_acc[i, d] = dv_acc[i, d] * T.cast(v_tile[i, d], ACCUM)
-                T.copy(dv_acc, v_tile)
-                store_chunk_rows(v_tile, dv, start, length, head, 0, wait=False)  # waited for by dK_wy's store
-                T.reduce_sum(dw_acc, red_c, dim=1, batch=2)
-                T.copy(red_c, cols_s)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    dau[i, j] = T.Select(i >= j, dau[i, j], T.cast(0, ACCUM))
-                    daw[i, j] = T.Select(i >= j, daw[i, j], T.cast(0, ACCUM))
-                # dA_r, and the beta column terms X_ij = (Gamma dA_u + e^gamma_i dA_w) A_r
-                # (G_ij = Gamma dA_u + e^gamma_i dA_w; dA_r = G diag(beta)).
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    dar[i, j] = (T.Select(i >= j, dau[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
-                                 + T.__exp(gamma_s[i]) * daw[i, j])
-                    tmp[i, j] = dar[i, j] * T.cast(ar_h[i, j], ACCUM)
-                    dar[i, j] = dar[i, j] * beta_s[j]
-                T.copy(dar, dar_h)
-                # batch: a thread's 8 column sums (2 row sums) cross the warps together, one pair of
-                # barriers a level for all of them instead of one per element (a column sum of this
-                # layout goes through shared memory twice: ~2.5k cycles a call unbatched, b24).
-                T.reduce_sum(tmp, red_x, dim=0, batch=8)
-                T.copy(red_x, xcol_s)
-                # dgamma's row terms: R_u = dA_u * A_u, R_w = dA_w * A_w (R_u's columns came from dV above).
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    daw[i, j] = daw[i, j] * T.cast(aw_s[i, j], ACCUM) + dau[i, j] * T.cast(au_s[i, j], ACCUM)
-                T.reduce_sum(daw, red_r, dim=1, batch=2)
-                T.copy(red_r, rows_s)
+            # dL = -(A_r^T dA_r A_r^T), strictly lower; its dbeta term against K K^T (recomputed
+            # here: a 64 x 64 x K product is cheaper than holding it in fp32 shared memory).
+            T.gemm(ar_h, dar_h, tmp, transpose_A=True, clear_accum=True)
+            T.copy(tmp, t_h)
+            # (K K^T issued with the second product and waited for with it.)
+            T.wgmma_gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            for i, j in T.Parallel(CHUNK, CHUNK):
+                tmp[i, j] = T.Select(i > j, -tmp[i, j], T.cast(0, ACCUM))
+                dar[i, j] = beta_s[i] * tmp[i, j]
+            T.copy(dar, dkk_s)
+            for i, j in T.Parallel(CHUNK, CHUNK):
+                tmp[i, j] = tmp[i, j] * kkt[i, j]
+            T.reduce_sum(tmp, red_l, dim=1, batch=2)
+            T.copy(red_l, lrow_s)
 
-                # dL = -(A_r^T dA_r A_r^T), strictly lower; its dbeta term against K K^T (recomputed
-                # here: a 64 x 64 x K product is cheaper than holding it in fp32 shared memory).
-                T.gemm(ar_h, dar_h, tmp, transpose_A=True, clear_accum=True)
-                T.copy(tmp, t_h)
-                # (K K^T issued with the second product and waited for with it.)
-                T.wgmma_gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
-                T.wait_wgmma(0)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = T.Select(i > j, -tmp[i, j], T.cast(0, ACCUM))
-                    dar[i, j] = beta_s[i] * tmp[i, j]
-                T.copy(dar, dkk_s)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    tmp[i, j] = tmp[i, j] * kkt[i, j]
-                T.reduce_sum(tmp, red_l, dim=1, batch=2)
-                T.copy(red_l, lrow_s)
-
-                # dK_wy = A_w^T dW + (dKK + dKK^T) K.
-                T.wgmma_gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
-                # (dKK + dKK^T) K as two products: dKK is strictly lower, so the sum has one term
-                # per element, and the transposed read costs the product nothing. The three are
-                # issued back to back and waited for once.
-                T.wgmma_gemm(dkk_s, k_tile, dw_acc)
-                T.wgmma_gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
-                T.wait_wgmma(0)
-                # Out through dV_new's tile (dead since dV) by TMA, in the input dtype.
-                T.copy(dw_acc, dvn_tile)
-                store_chunk_rows(dvn_tile, dk_wy, start, length, head, 0)
-                for i in T.Parallel(CHUNK):
-                    if i < length:
-                        dbeta[start + i, head] = lrow_s[i] + xcol_s[i]
-                        dg[start + i, head] = T.cast(0, ACCUM)  # qk_grads adds its two parts
-                    dgamma_wy[head, chunk_id, i] = rows_s[i] - cols_s[i]
+            # dK_wy = A_w^T dW + (dKK + dKK^T) K.
+            T.wgmma_gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
+            # (dKK + dKK^T) K as two products: dKK is strictly lower, so the sum has one term
+            # per element, and the transposed read costs the product nothing. The three are
+            # issued back to back and waited for once.
+            T.wgmma_gemm(dkk_s, k_tile, dw_acc)
+            T.wgmma_gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
+            T.wait_wgmma(0)
+            # Out through dV_new's tile (dead since dV) by TMA, in the input dtype.
+            T.copy(dw_acc, dvn_tile)
+            store_chunk_rows(dvn_tile, dk_wy, start, length, head, 0)
+            for i in T.Parallel(CHUNK):
+                if i < length:
+                    dbeta[start + i, head] = lrow_s[i] + xcol_s[i]
+                    dg[start + i, head] = T.cast(0, ACCUM)  # qk_grads adds its two parts
+                dgamma_wy[head, chunk_id, i] = rows_s[i] - cols_s[i]
 
     return wy_grads
