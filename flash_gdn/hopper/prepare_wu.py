@@ -191,159 +191,162 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
-            if length > 0:
-                # K and V tiles by TMA (rows past the tensor come back as zeros), in flight while
-                # beta and g are loaded. Rows past the chunk's end hold the next sequence's tokens:
-                # beta = 0 there makes their rows and columns of A_g vanish.
-                T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
-                T.barrier_arrive(k_ready)
-                if write_u:
-                    T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
-                    T.barrier_arrive(v_ready)
-                if read_inverse:  # the forward's A_r (fp16), in place of K K^T's inverse
-                    T.tma_copy(a_r[chunk_id, head, 0:CHUNK, 0:CHUNK], diag16, barrier=ar_ready)
-                    T.barrier_arrive(ar_ready)
-                beta_r = T.cast(0, ACCUM)
-                g_r = T.cast(0, ACCUM)
-                if tx < length:
-                    beta_r = T.cast(beta[start + tx, head], ACCUM)
-                    g_r = T.cast(g[start + tx, head], ACCUM)
-                T.mbarrier_wait_parity(k_ready, 0)
-                if not read_inverse or write_bound:
-                    T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
-                elif normalize != 0:  # only for the norms of k (its diagonal)
-                    T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
-                if tx < CHUNK:
-                    beta_s[tx] = beta_r
-                    g_s[tx] = g_r
+            # No guard on length > 0 (an unused chunk slot of a varlen plan, bounds (0, 0)): such a CTA
+            # computes on its slot and writes only its own slot's per-chunk rows, which nothing reads;
+            # token rows are masked by length. A guard is split by TileLang into one test per
+            # statement, which keeps ptxas from scheduling across statements (s45, wy_grads).
+            # K and V tiles by TMA (rows past the tensor come back as zeros), in flight while
+            # beta and g are loaded. Rows past the chunk's end hold the next sequence's tokens:
+            # beta = 0 there makes their rows and columns of A_g vanish.
+            T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)
+            T.barrier_arrive(k_ready)
+            if write_u:
+                T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_tile, barrier=v_ready)
+                T.barrier_arrive(v_ready)
+            if read_inverse:  # the forward's A_r (fp16), in place of K K^T's inverse
+                T.tma_copy(a_r[chunk_id, head, 0:CHUNK, 0:CHUNK], diag16, barrier=ar_ready)
+                T.barrier_arrive(ar_ready)
+            beta_r = T.cast(0, ACCUM)
+            g_r = T.cast(0, ACCUM)
+            if tx < length:
+                beta_r = T.cast(beta[start + tx, head], ACCUM)
+                g_r = T.cast(g[start + tx, head], ACCUM)
+            T.mbarrier_wait_parity(k_ready, 0)
+            if not read_inverse or write_bound:
+                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+            elif normalize != 0:  # only for the norms of k (its diagonal)
+                T.gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
+            if tx < CHUNK:
+                beta_s[tx] = beta_r
+                g_s[tx] = g_r
+            if write_bound:
+                if tx == 0:
+                    expands[0] = 0
+            T.cumsum(g_s, gamma_s)
+            # k_inv shares its shared memory with g_s (TileLang's reuse after the cumsum), and the
+            # 1 / |k| branch's own barrier does not cover the other branch: one barrier for both.
+            T.sync_threads()
+            if normalize != 0:  # (uniform: the diagonal's search, ~100 instructions a thread, only where needed)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    if i == j:
+                        k_inv[i] = 1 / T.sqrt(kkt[i, j] + 1e-6)
+            else:
+                for i in T.Parallel(CHUNK):
+                    k_inv[i] = T.cast(1, ACCUM)
+            # Element-wise work in registers, fragments to shared memory whole. Each select picks
+            # between registers and the shared-memory factors multiply outside it: a select with a
+            # load in an operand compiles to a branch per element (64 for this one loop).
+            if read_inverse:
                 if write_bound:
-                    if tx == 0:
-                        expands[0] = 0
-                T.cumsum(g_s, gamma_s)
-                # k_inv shares its shared memory with g_s (TileLang's reuse after the cumsum), and the
-                # 1 / |k| branch's own barrier does not cover the other branch: one barrier for both.
-                T.sync_threads()
-                if normalize != 0:  # (uniform: the diagonal's search, ~100 instructions a thread, only where needed)
+                    # No L is formed here, so the bound's test (below) takes K K^T's diagonal
+                    # itself: beta_i |k_hat_i|^2 within [0, 2] for every row.
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         if i == j:
-                            k_inv[i] = 1 / T.sqrt(kkt[i, j] + 1e-6)
-                else:
-                    for i in T.Parallel(CHUNK):
-                        k_inv[i] = T.cast(1, ACCUM)
-                # Element-wise work in registers, fragments to shared memory whole. Each select picks
-                # between registers and the shared-memory factors multiply outside it: a select with a
-                # load in an operand compiles to a branch per element (64 for this one loop).
-                if read_inverse:
-                    if write_bound:
-                        # No L is formed here, so the bound's test (below) takes K K^T's diagonal
-                        # itself: beta_i |k_hat_i|^2 within [0, 2] for every row.
-                        for i, j in T.Parallel(CHUNK, CHUNK):
-                            if i == j:
-                                if beta_s[i] < 0 or beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[i] > 2:
-                                    expands[0] = 1
-                    T.mbarrier_wait_parity(ar_ready, 0)
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        inv[i, j] = T.cast(diag16[i, j], ACCUM)
-                elif write_bound:
-                    # Whether some key may expand the state. The chunk's transition is a product of
-                    # e^g_t (I - beta_t k_hat_t k_hat_t^T), of norm at most e^g_t where 0 <= beta_t
-                    # |k_hat_t|^2 <= 2, the diagonal of diag(beta r) K K^T diag(r). Sufficient, and
-                    # with no search for the diagonal: every element of that matrix <= 2 (a row's
-                    # largest is at least its diagonal) and every beta >= 0.
-                    # (Thread tx < 64 holds beta of row tx in beta_r: a negative one counts as large.)
-                    largest[0] = T.if_then_else(beta_r < 0, T.cast(3, ACCUM), T.cast(-3.0e38, ACCUM))
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        kkt[i, j] = kkt[i, j] * (beta_s[i] * k_inv[i] * k_inv[j])
-                        largest[0] = T.max(largest[0], kkt[i, j])
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        if gated:
-                            kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
-                        else:
-                            kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM))
-                    if largest[0] > 2:
-                        expands[0] = 1
-                elif gated:
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        kkt[i, j] = (T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-                                     * pair_decay(gamma_s[i], gamma_s[j]))
-                else:
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-                if mma:  # L (zero on and above the diagonal) to shared memory, inverted there in place
-                    mma_unit_lower_inverse(kkt, lx_s, xh_s, inv)
-                elif not read_inverse:
-                    blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
-                if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
-                    T.copy(inv, diag16)  # (free by now: the blocked inverse's is after its first merge)
-                    # Not waited for here (the A_g store below, or the wait at the end, waits for it):
-                    # waiting held the CTA for the store's read of shared memory, +40 % on the
-                    # forward's variant (H200, 16/32 x 1x32768). diag16 stays live until then (the
-                    # read of ``sink`` below), so that TileLang does not lay A_w or A_g over it.
-                    T.tma_copy(diag16, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
+                            if beta_s[i] < 0 or beta_s[i] * kkt[i, j] * k_inv[i] * k_inv[i] > 2:
+                                expands[0] = 1
+                T.mbarrier_wait_parity(ar_ready, 0)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    inv[i, j] = T.cast(diag16[i, j], ACCUM)
+            elif write_bound:
+                # Whether some key may expand the state. The chunk's transition is a product of
+                # e^g_t (I - beta_t k_hat_t k_hat_t^T), of norm at most e^g_t where 0 <= beta_t
+                # |k_hat_t|^2 <= 2, the diagonal of diag(beta r) K K^T diag(r). Sufficient, and
+                # with no search for the diagonal: every element of that matrix <= 2 (a row's
+                # largest is at least its diagonal) and every beta >= 0.
+                # (Thread tx < 64 holds beta of row tx in beta_r: a negative one counts as large.)
+                largest[0] = T.if_then_else(beta_r < 0, T.cast(3, ACCUM), T.cast(-3.0e38, ACCUM))
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    kkt[i, j] = kkt[i, j] * (beta_s[i] * k_inv[i] * k_inv[j])
+                    largest[0] = T.max(largest[0], kkt[i, j])
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    if gated:
+                        kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                    else:
+                        kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM))
+                if largest[0] > 2:
+                    expands[0] = 1
+            elif gated:
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    kkt[i, j] = (T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
+                                 * pair_decay(gamma_s[i], gamma_s[j]))
+            else:
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
+            if mma:  # L (zero on and above the diagonal) to shared memory, inverted there in place
+                mma_unit_lower_inverse(kkt, lx_s, xh_s, inv)
+            elif not read_inverse:
+                blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
+            if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
+                T.copy(inv, diag16)  # (free by now: the blocked inverse's is after its first merge)
+                # Not waited for here (the A_g store below, or the wait at the end, waits for it):
+                # waiting held the CTA for the store's read of shared memory, +40 % on the
+                # forward's variant (H200, 16/32 x 1x32768). diag16 stays live until then (the
+                # read of ``sink`` below), so that TileLang does not lay A_w or A_g over it.
+                T.tma_copy(diag16, a_r[chunk_id, head, 0:CHUNK, 0:CHUNK])
 
-                # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
-                # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
-                if write_w:
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
-                    T.copy(kkt, a_w)
-                if gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        inv[i, j] = inv[i, j] * beta_s[j]
-                else:
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
-                T.copy(inv, a_u)
-                if write_au:  # whole (rows and columns past the chunk's end are zero)
-                    T.copy(a_u, a_u_out[chunk_id, head, 0:CHUNK, 0:CHUNK])
+            # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
+            # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
+            if write_w:
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
+                T.copy(kkt, a_w)
+            if gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    inv[i, j] = inv[i, j] * beta_s[j]
+            else:
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
+            T.copy(inv, a_u)
+            if write_au:  # whole (rows and columns past the chunk's end are zero)
+                T.copy(a_u, a_u_out[chunk_id, head, 0:CHUNK, 0:CHUNK])
 
-                # W, then U, each staged in the tile it was made from (free once its product is
-                # done) and stored whole by TMA; a sequence's partial last chunk row by row.
+            # W, then U, each staged in the tile it was made from (free once its product is
+            # done) and stored whole by TMA; a sequence's partial last chunk row by row.
+            if write_w:
+                T.gemm(a_w, k_tile, w_acc, clear_accum=True)
+                T.copy(w_acc, k_tile)
+            if write_u:
+                T.mbarrier_wait_parity(v_ready, 0)
+                T.gemm(a_u, v_tile, u_acc, clear_accum=True)
+                T.copy(u_acc, v_tile)
+            if length == CHUNK:
                 if write_w:
-                    T.gemm(a_w, k_tile, w_acc, clear_accum=True)
-                    T.copy(w_acc, k_tile)
+                    T.copy(k_tile, w[start:start + CHUNK, head, 0:head_k])
                 if write_u:
-                    T.mbarrier_wait_parity(v_ready, 0)
-                    T.gemm(a_u, v_tile, u_acc, clear_accum=True)
-                    T.copy(u_acc, v_tile)
-                if length == CHUNK:
-                    if write_w:
-                        T.copy(k_tile, w[start:start + CHUNK, head, 0:head_k])
-                    if write_u:
-                        T.copy(v_tile, u[start:start + CHUNK, head, 0:head_v])
-                else:
-                    if write_w:
-                        for i, d in T.Parallel(CHUNK, head_k):
-                            if i < length:
-                                w[start + i, head, d] = k_tile[i, d]
-                    if write_u:
-                        for i, d in T.Parallel(CHUNK, head_v):
-                            if i < length:
-                                u[start + i, head, d] = v_tile[i, d]
-                for i in T.Parallel(CHUNK):
-                    gamma[head, chunk_id, i] = gamma_s[i]  # = gamma_C past the chunk's end
-                if write_bound:  # log of a bound on the norm of the chunk's transition
-                    if tx == 0:
-                        log_bound[head, chunk_id] = gamma_s[CHUNK - 1] + T.if_then_else(
-                            expands[0] != 0, T.cast(EXPANDING, ACCUM), T.cast(0, ACCUM))
+                    T.copy(v_tile, u[start:start + CHUNK, head, 0:head_v])
+            else:
+                if write_w:
+                    for i, d in T.Parallel(CHUNK, head_k):
+                        if i < length:
+                            w[start + i, head, d] = k_tile[i, d]
+                if write_u:
+                    for i, d in T.Parallel(CHUNK, head_v):
+                        if i < length:
+                            u[start + i, head, d] = v_tile[i, d]
+            for i in T.Parallel(CHUNK):
+                gamma[head, chunk_id, i] = gamma_s[i]  # = gamma_C past the chunk's end
+            if write_bound:  # log of a bound on the norm of the chunk's transition
+                if tx == 0:
+                    log_bound[head, chunk_id] = gamma_s[CHUNK - 1] + T.if_then_else(
+                        expands[0] != 0, T.cast(EXPANDING, ACCUM), T.cast(0, ACCUM))
 
-                if write_inverse:
-                    if not write_au:  # (with write_au, the A_g store waited for A_r's)
-                        T.tma_store_wait(0)
-                    if length < 0:  # never: keeps diag16 live past the wait
-                        sink = diag16[0, 0]
-                if writes_norms != 0:
-                    for i in T.Parallel(CHUNK):
-                        q_inv[i] = T.cast(1, ACCUM)
-                    if normalize != 0:
-                        T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
-                        T.gemm(q_tile, q_tile, qqt, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(CHUNK, CHUNK):
-                            if i == j:
-                                q_inv[i] = 1 / T.sqrt(qqt[i, j] + 1e-6)
-                    for i in T.Parallel(CHUNK):
-                        q_norm_inv[qk_head, chunk_id, i] = q_inv[i]
-                        k_norm_inv[qk_head, chunk_id, i] = k_inv[i]
+            if write_inverse:
+                if not write_au:  # (with write_au, the A_g store waited for A_r's)
+                    T.tma_store_wait(0)
+                if length < 0:  # never: keeps diag16 live past the wait
+                    sink = diag16[0, 0]
+            if writes_norms != 0:
+                for i in T.Parallel(CHUNK):
+                    q_inv[i] = T.cast(1, ACCUM)
+                if normalize != 0:
+                    T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
+                    T.gemm(q_tile, q_tile, qqt, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        if i == j:
+                            q_inv[i] = 1 / T.sqrt(qqt[i, j] + 1e-6)
+                for i in T.Parallel(CHUNK):
+                    q_norm_inv[qk_head, chunk_id, i] = q_inv[i]
+                    k_norm_inv[qk_head, chunk_id, i] = k_inv[i]
 
     return prepare_wu
 
