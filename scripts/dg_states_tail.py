@@ -61,7 +61,7 @@ def main(seconds: float) -> None:
             for name, rows in zip(SPLIT, (~one, one)):
                 errors[d][name].append(((got[rows] - want[rows]).norm() / want.norm()).item())
     for d, by_name in errors.items():
-        bounds = dict(dq=1e-2, dk=1e-2, dv=1e-2, dg=8e-2, dbeta=2e-2, **{name: 8e-2 for name in SPLIT})
+        bounds = dict(dq=1e-2, dk=1e-2, dv=1e-2, dg=2e-2, dbeta=2e-2, **{name: 2e-2 for name in SPLIT})
         for name, values in by_name.items():
             values = sorted(values)
             p99 = values[min(len(values) - 1, int(0.99 * len(values)))]

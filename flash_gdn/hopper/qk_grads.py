@@ -23,17 +23,20 @@ a fragment already in registers): q and k stay raw (their inverse norms are fact
 of dQK's columns and of the row dots), and scale D and E multiply dO S^T and V_new dS'^T.
 
 The dq CTA takes the dgamma terms of S ((Q S) . dO) and the rows of dQK * QK, the dk CTA those
-of dS', dgamma_wy and the columns of dQK * QK. The dq CTA's two are one row dot (s45): the rows
-of dQK * Q_hat K_hat^T are r_i q_i . (dQK K_hat)_i, the state term r_i q_i . (scale D dO S^T)_i,
-and both products are what it adds to dq, so the member's terms are r_i (q_i . dq_i after it -
-q_i . dq_i before it): no Q K^T, one reduction a member (and, with the L2 norm, the last row dot
-is the x . dx_hat of the norm's backward). The dk CTA forms dQK^T (from V_new dO^T) and K Q^T
-rather than dQK and Q K^T, so its columns are row sums in its registers: a column sum across the
-accumulator's layout crosses shared memory twice for each of the 8 elements a thread holds, a row
-sum once for its 2 (b24). (It keeps them apart from de_i, whose sum over the chunk enters every
-row.) Each CTA adds the reverse cumsum of its part to dg (zeroed by ``wy_grads``) by one atomic
-add per element: exactly two fp32 adds onto zero, whose result does not depend on their order
-(a + b = b + a), so dg stays deterministic.
+of dS', dgamma_wy and the columns of dQK * QK. The dk CTA forms dQK^T (from V_new dO^T) and
+K Q^T rather than dQK and Q K^T, so those columns are row sums in its registers: a column sum
+across the accumulator's layout crosses shared memory twice for each of the 8 elements a thread
+holds, a row sum once for its 2 (b24). Each CTA adds the reverse cumsum of its part to dg
+(zeroed by ``wy_grads``) by one atomic add per element: exactly two fp32 adds onto zero, whose
+result does not depend on their order (a + b = b + a), so dg stays deterministic.
+
+Both CTAs take their terms of dQK * QK from fp32 dQK. rows - cols of that matrix sums to zero over a chunk,
+and dg is its reverse cumsum, so any rounding that one side makes and the other does not
+stays in dg. s45 took the dq CTA's rows from a row dot of q with dq, i.e. through the product's bf16
+dQK, while the dk CTA's columns used fp32 dQK. That was 2.6 % faster, but dg's error in
+``test_dg_takes_the_given_states_in_fp32`` went from ~2e-3 to a median of 1.3e-2 (12 % of
+draws over 2e-2 at K = 64, H200; reproduced by ``scripts/dg_rounding_emulation.py`` on a CPU). It
+was reverted in s46.
 
 <S, dS'> is a sum of K V products that can cancel to a small remainder; with S and dS' rounded
 to bf16 a large state leaves an absolute error of ~2^-9 sqrt(sum (S dS')^2) in it (0.1 and more in
@@ -45,7 +48,7 @@ stores them.
 The split halves each CTA's registers and shared memory (one 128 x 128 state tile, h or dh;
 <S, dS'> takes S from global memory), so two CTAs fit on an SM and one's products run under
 the other's element-wise phases and loads. The price: both CTAs form dQK or its transpose (one
-64 x 64 x V product per value head; the dk CTA also K Q^T once) and load q, k, dO and V_new.
+64 x 64 x V product per value head, and Q K^T or K Q^T once) and load q, k, dO and V_new.
 
 With ``normalize`` (use_qk_l2norm_in_kernel) the gradient goes back through x_hat = x r,
 r = 1 / sqrt(|x|^2 + eps):  dx = r (dx_hat - (dx_hat . x_hat) x_hat).
@@ -91,35 +94,6 @@ def _add_state_term(grad, acc_v, row_f, x_tile, x_inv, red, dot_s):
     T.reduce_sum(acc_v, red, dim=1)
     for i in T.Parallel(CHUNK):
         dot_s[i] = red[i] * (row_f[i] * x_inv[i])
-
-
-@T.macro
-def _add_state_term_rowdot(grad, acc_v, row_f, x_tile, x_inv, red, p_prev, dot_s):
-    """The dq CTA's member step: grad += diag(row_f) acc_v, then dot_s = r_i (P_i - P'_i) with
-    P_i = sum_k X_ik grad_ik the row dots of raw q with dq after this member and P' before it
-    (``p_prev``, updated here). The member added dQK K_hat (its product) and diag(row_f) acc_v to
-    dq, so dot_s is the sum of its two dgamma row terms:
-        r_i q_i . (dQK K_hat)_i = sum_j dQK_ij (q_hat_i . k_hat_j)   (rows of dQK * Q_hat K_hat^T)
-        r_i q_i . (scale D dO S^T)_i = (Q_hat S)_i . (scale D dO)_i  (the state term)
-    one pass and one row reduction for both, and no Q K^T."""
-    for i, d in T.Parallel(CHUNK, grad.shape[1]):
-        grad[i, d] += row_f[i] * acc_v[i, d]
-        acc_v[i, d] = grad[i, d] * T.cast(x_tile[i, d], ACCUM)
-    T.reduce_sum(acc_v, red, dim=1)
-    for i in T.Parallel(CHUNK):
-        dot_s[i] = (red[i] - p_prev[i]) * x_inv[i]
-        p_prev[i] = red[i]
-
-
-@T.macro
-def _l2_backward_store_rowdot(grad, rowdot, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
-    """_l2_backward_store with the row dots x_i . grad_i (raw x) already known (``rowdot``):
-    (dx_hat . x_hat) r = rowdot r^2."""
-    if normalize != 0:
-        for i, d in T.Parallel(CHUNK, grad.shape[1]):
-            grad[i, d] = x_inv[i] * (grad[i, d] - rowdot[i] * (x_inv[i] * x_inv[i]) * T.cast(x_tile[i, d], ACCUM))
-    T.copy(grad, stage)
-    store_chunk_rows(stage, out, start, length, qk_head, 0)
 
 
 @T.macro
@@ -219,7 +193,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             row_f = T.alloc_shared((CHUNK,), ACCUM)  # scale D (dq CTA) or E (dk CTA)
-            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # dk CTA: row sums of dm * qk, dQK * QK's columns
+            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # row sums of dm * qk: dQK * QK's rows (dq) or columns (dk)
             dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de (_add_state_term)
             sd_s = T.alloc_shared((SD_ROWS,), ACCUM)
             z_s = T.alloc_shared((2 * CHUNK,), ACCUM)  # [dgamma; y] (_add_dg)
@@ -227,7 +201,6 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dm = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             red_a = T.alloc_fragment((CHUNK,), ACCUM)
-            p_prev = T.alloc_fragment((CHUNK,), ACCUM)  # dq CTA: the row dots q_i . dq_i so far (raw q)
             sd_part = T.alloc_fragment((SD_ROWS, head_v), ACCUM)
             red_sd = T.alloc_fragment((SD_ROWS,), ACCUM)
             grad = T.alloc_fragment((CHUNK, head_k), ACCUM)  # dq or dk, summed over the group
@@ -272,14 +245,15 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                 T.clear(grad)
                 # q and k stay raw in shared memory: their inverse norms (r_q, r_k) enter as row factors
                 # of the fragments that the tiles multiply, no pass over the tiles (normalised,
-                # Q_hat = diag(r_q) Q). dm below carries the other side's factor as a column factor
-                # (dQK diag(r_k), dQK^T diag(r_q)), so dm's product with the raw tile is dQK K_hat
-                # (dQK^T Q_hat). The dk CTA forms K Q^T with its own side's factor, r_k K Q^T, so that
-                # dm * qk is (dQK * Q_hat K_hat^T)^T: the same for every value head of the group, once,
-                # kept in registers. The dq CTA needs no Q K^T: its rows of dQK * Q_hat K_hat^T come
-                # from a row dot of q with dq (_add_state_term_rowdot); p_prev holds those row dots.
+                # Q_hat = diag(r_q) Q). Q K^T (dq CTA) or its transpose K Q^T (dk CTA), here with its
+                # own side's factor, r_q Q K^T (r_k K Q^T): dm below carries the other side's as a
+                # column factor (dQK diag(r_k), dQK^T diag(r_q)), so dm * qk is dQK * Q_hat K_hat^T
+                # and dm's product with the raw tile is dQK K_hat (dQK^T Q_hat). The same for every
+                # value head of the group, once, kept in registers.
                 if role == 0:
-                    T.clear(p_prev)
+                    T.gemm(q_tile, k_tile, qk, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        qk[i, j] = qk[i, j] * q_inv[i]
                 else:
                     T.gemm(k_tile, q_tile, qk, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(CHUNK, CHUNK):
@@ -316,17 +290,16 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                             dm[i, j] = (T.Select(j >= i, dm[i, j] * scale, T.cast(0, ACCUM))
                                         * pair_decay(gamma_s[j], gamma_s[i]) * q_inv[j])
                     T.copy(dm, dqk_s)
-                    if role == 1:
-                        # dgamma's column terms of M: the columns of dQK * Q_hat K_hat^T, row sums of dm * qk
-                        # here (the dq CTA's row terms come with its state term's row dot).
-                        for i, j in T.Parallel(CHUNK, CHUNK):
-                            dm[i, j] = dm[i, j] * qk[i, j]
-                        T.reduce_sum(dm, red_a, dim=1)
-                        T.copy(red_a, msum_s)
+                    # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
+                    # of its CTA's dm * qk.
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        dm[i, j] = dm[i, j] * qk[i, j]
+                    T.reduce_sum(dm, red_a, dim=1)
+                    T.copy(red_a, msum_s)
                     if role == 0:
                         # dq += dQK K + (scale D dO) S^T = dQK K + scale D (dO S^T). The state term goes
-                        # through acc_v and is added with its row factor; the row dot of q with dq then
-                        # gives this member's dgamma row terms (no Q S product needed):
+                        # through acc_v on its own: its row dot with the normalised q is a dgamma term
+                        # (no Q S product needed):
                         #   (Q S)_i . (scale D dO)_i = scale D_i sum_k Q_ik (dO S^T)_ik
                         T.mbarrier_wait_parity(st_ready, member % 2)
                         T.wgmma_gemm(dqk_s, k_tile, grad)
@@ -334,9 +307,10 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.wait_wgmma(0)
                         _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
                                            start, chunk_id, head, member, group, role, head_k, head_v)
-                        _add_state_term_rowdot(grad, acc_v, row_f, q_tile, q_inv, red_a, p_prev, dot_s)
+                        _add_state_term(grad, acc_v, row_f, q_tile, q_inv, red_a, dot_s)
                         for i in T.Parallel(2 * CHUNK):
-                            z_s[i] = T.if_then_else(i < length, dot_s[i % CHUNK], T.cast(0, ACCUM))
+                            z_s[i] = T.if_then_else(i < length, msum_s[i % CHUNK] + dot_s[i % CHUNK],
+                                                    T.cast(0, ACCUM))
                         _add_dg(z_s, zsum_s, dg, start, length, head)
                     else:
                         # dO is read (dM above): its tile takes this member's dk_wy by TMA (K = V), added
@@ -396,7 +370,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
 
                 # The L2 norm's backward (row factors r = q_inv, k_inv), then the writes.
                 if role == 0:
-                    _l2_backward_store_rowdot(grad, p_prev, q_tile, q_inv, normalize, do_tile, dq, start, length, qk_head)
+                    _l2_backward_store(grad, acc_v, red_a, dot_s, q_tile, q_inv, normalize, do_tile, dq, start, length, qk_head)
                 else:
                     _l2_backward_store(grad, acc_v, red_a, dot_s, k_tile, k_inv, normalize, do_tile, dk, start, length, qk_head)
 

@@ -175,11 +175,12 @@ def test_dg_takes_the_given_states_in_fp32(monkeypatch, d, h0, dht, seg_chunks):
     with poisoned():
         got = backward_stages(q, k, v, g, beta, do, dfinal, problem, init, False, cu)
     ref = chunked_backward(q, k, v, g, beta, do, dht=dfinal, initial_state=init, cu_seqlens=cu.cpu())
-    # dg over all tokens: its error sits in the longer sequences, not in the one-token state terms
-    # (checked exactly below). Over 3926 draws on an H200 (scripts/dg_states_tail.py, s46): K = 64
-    # median 1.3e-2, p99 3.0e-2, max 5.7e-2; K = 128 median 9.7e-3, max 3.8e-2 (dq, dk, dv all
-    # below 4e-3). The old bound, 2e-2, failed 12 % of draws at K = 64 on the same kernels.
-    for name, i, tol in (("dq", 0, 1e-2), ("dk", 1, 1e-2), ("dv", 2, 1e-2), ("dg", 3, 8e-2)):
+    # dg over all tokens. With s45's qk_grads (dQK * QK's rows from bf16 dQK, its columns from fp32)
+    # this bound failed on 12 % of draws at K = 64 (median 1.3e-2, max 5.7e-2 over 3926 H200 draws,
+    # scripts/dg_states_tail.py). dq, dk and dv stayed below 4e-3. The cause is the rounding that
+    # only one side made (scripts/dg_rounding_emulation.py: ~2e-3 with the stages' bf16 tensors
+    # alone). It was reverted in s46.
+    for name, i, tol in (("dq", 0, 1e-2), ("dk", 1, 1e-2), ("dv", 2, 1e-2), ("dg", 3, 2e-2)):
         assert rel_err(got[name], ref[i]) <= tol, (name, rel_err(got[name], ref[i]))
     # dbeta on the longer sequences: on the one-token ones it is dV_new . (v - e^g S^T k) with
     # the large states, as exact as dV_new's bf16 (1.5e-2 emulated; FLA stores it so too).
