@@ -30,13 +30,13 @@ holds, a row sum once for its 2 (b24). Each CTA adds the reverse cumsum of its p
 (zeroed by ``wy_grads``) by one atomic add per element: exactly two fp32 adds onto zero, whose
 result does not depend on their order (a + b = b + a), so dg stays deterministic.
 
-Both CTAs take their terms of dQK * QK from fp32 dQK. rows - cols of that matrix sums to zero over a chunk,
-and dg is its reverse cumsum, so any rounding that one side makes and the other does not
-stays in dg. s45 took the dq CTA's rows from a row dot of q with dq, i.e. through the product's bf16
-dQK, while the dk CTA's columns used fp32 dQK. That was 2.6 % faster, but dg's error in
-``test_dg_takes_the_given_states_in_fp32`` went from ~2e-3 to a median of 1.3e-2 (12 % of
-draws over 2e-2 at K = 64, H200; reproduced by ``scripts/dg_rounding_emulation.py`` on a CPU). It
-was reverted in s46.
+Both CTAs take their terms of dQK * QK from fp32 dQK. rows - cols of that matrix sums to zero
+over a chunk, and dg is its reverse cumsum, so a rounding that one side makes and the other does
+not stays in dg. s45 took the dq CTA's rows from a row dot of q with dq, i.e. through the
+product's bf16 dQK, while the dk CTA's columns used fp32 dQK. That was 2.6 % faster, but dg's
+error in ``test_dg_takes_the_given_states_in_fp32`` went from ~2e-3 to a median of 1.3e-2 (12 % of
+draws over 2e-2 at K = 64, H200; reproduced by ``scripts/dg_rounding_emulation.py`` on a CPU).
+It was reverted in s46.
 
 <S, dS'> is a sum of K V products that can cancel to a small remainder; with S and dS' rounded
 to bf16 a large state leaves an absolute error of ~2^-9 sqrt(sum (S dS')^2) in it (0.1 and more in
