@@ -19,7 +19,8 @@ import test_gpu_backward_stages as stages  # noqa: E402
 import torch  # noqa: E402
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
-SPLIT = ("dg@longer", "dg@one-token")  # dg's error over the longer sequences' tokens / the one-token ones, each over |dg|
+# dg's error over the longer sequences' tokens and over the one-token sequences' tokens, each over |dg|
+SPLIT = ("dg@longer", "dg@one-token")
 
 
 def main(seconds: float) -> None:
@@ -54,7 +55,8 @@ def main(seconds: float) -> None:
                 print("one-token dg check failed at K =", d, error)
             for name, value in zip(NAMES, recorded):
                 errors[d][name].append(value)
-            got, want = outputs["got"]["dg"][0].double(), outputs["ref"][3][0].double().to(outputs["got"]["dg"].device)
+            got = outputs["got"]["dg"][0].double()
+            want = outputs["ref"][3][0].double().to(got.device)
             one = torch.zeros(got.shape[0], dtype=torch.bool, device=got.device)
             cu = outputs["cu"].long()
             one[cu[:-1][(cu[1:] - cu[:-1]) == 1]] = True
