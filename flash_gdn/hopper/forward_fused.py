@@ -43,7 +43,7 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE, invert_staged, stage_lower
-from .tiles import ACCUM, CHUNK, HALF, ROWS, pair_decay, store_chunk_rows
+from .tiles import ACCUM, CHUNK, HALF, ROWS, inverse_row_norms, pair_decay, store_chunk_rows
 
 IN_STAGES = 3  # q, k, v tiles: the auxiliary warpgroup refills a stage a chunk after the state warpgroups free it
 AUX_STAGES = 2  # A_g, P^T and the factors
@@ -101,19 +101,6 @@ def scan_gates(regs, lane, gamma_s, beta_s):
     gamma_s[2 * lane] = run - regs[1]
     beta_s[2 * lane] = regs[2]
     beta_s[2 * lane + 1] = regs[3]
-
-
-@T.macro
-def inverse_row_norms(gram, dst, normalize):
-    """``dst[i] = 1 / sqrt(gram[i, i] + 1e-6)`` (the fused L2 norm, from a Gram matrix X X^T in
-    registers), or 1 when not normalising (``gram`` is then not read)."""
-    if normalize != 0:
-        for i, j in T.Parallel(CHUNK, CHUNK):
-            if i == j:
-                dst[i] = 1 / T.sqrt(gram[i, j] + 1e-6)
-    else:
-        for i in T.Parallel(CHUNK):
-            dst[i] = T.cast(1, ACCUM)
 
 
 @T.macro

@@ -38,7 +38,8 @@ import torch
 from ..planning import ChunkPlan, capturing, plan_for
 from .launch import Launcher, jit
 from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE, mma_unit_lower_inverse
-from .tiles import ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, kernel_gate_dtype, pair_decay
+from .tiles import (ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, inverse_row_norms, kernel_gate_dtype,
+                    pair_decay)
 
 
 # What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound,
@@ -226,13 +227,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             # k_inv shares its shared memory with g_s (TileLang's reuse after the cumsum), and the
             # 1 / |k| branch's own barrier does not cover the other branch: one barrier for both.
             T.sync_threads()
-            if normalize != 0:  # (uniform: the diagonal's search, ~100 instructions a thread, only where needed)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    if i == j:
-                        k_inv[i] = 1 / T.sqrt(kkt[i, j] + 1e-6)
-            else:
-                for i in T.Parallel(CHUNK):
-                    k_inv[i] = T.cast(1, ACCUM)
+            # (normalize is uniform: the diagonal's search, ~100 instructions a thread, only where needed)
+            inverse_row_norms(kkt, k_inv, normalize)
             # Element-wise work in registers, fragments to shared memory whole. Each select picks
             # between registers and the shared-memory factors multiply outside it: a select with a
             # load in an operand compiles to a branch per element (64 for this one loop).

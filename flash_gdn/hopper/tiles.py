@@ -34,6 +34,19 @@ def pair_decay(gamma_i, gamma_j):
     return T.__exp(T.min(gamma_i - gamma_j, T.cast(0, ACCUM)))
 
 
+@T.macro
+def inverse_row_norms(gram, dst, normalize):
+    """``dst[i] = 1 / sqrt(gram[i, i] + 1e-6)`` (the fused L2 norm, from a Gram matrix X X^T in
+    registers), or 1 when not normalising (``gram`` is then not read)."""
+    if normalize != 0:
+        for i, j in T.Parallel(CHUNK, CHUNK):
+            if i == j:
+                dst[i] = 1 / T.sqrt(gram[i, j] + 1e-6)
+    else:
+        for i in T.Parallel(CHUNK):
+            dst[i] = T.cast(1, ACCUM)
+
+
 def kernel_gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """g and beta share one kernel dtype: the input dtype if both have it, else fp32."""
     return dtype if (g.dtype == dtype and beta.dtype == dtype) else torch.float32
