@@ -83,6 +83,15 @@ def _add_dg(z_s, zsum_s, dg, start, length, head):
 
 
 @T.macro
+def _row_sums_of_product(dm, qk, red, msum_s):
+    """msum_s = row sums of dm * qk (dm is overwritten)."""
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        dm[i, j] = dm[i, j] * qk[i, j]
+    T.reduce_sum(dm, red, dim=1)
+    T.copy(red, msum_s)
+
+
+@T.macro
 def _add_state_term(grad, acc_v, row_f, x_tile, x_inv, red, dot_s):
     """grad += diag(row_f) acc_v (the state product, its row factors applied here rather than to
     its shared-memory operand: no pass over that tile and no barrier before the product), and
@@ -291,11 +300,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                                         * pair_decay(gamma_s[j], gamma_s[i]) * q_inv[j])
                     T.copy(dm, dqk_s)
                     # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
-                    # of its CTA's dm * qk.
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        dm[i, j] = dm[i, j] * qk[i, j]
-                    T.reduce_sum(dm, red_a, dim=1)
-                    T.copy(red_a, msum_s)
+                    # of its CTA's dm * qk (the dq CTA's under its two products).
                     if role == 0:
                         # dq += dQK K + (scale D dO) S^T = dQK K + scale D (dO S^T). The state term goes
                         # through acc_v on its own: its row dot with the normalised q is a dgamma term
@@ -304,6 +309,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.mbarrier_wait_parity(st_ready, member % 2)
                         T.wgmma_gemm(dqk_s, k_tile, grad)
                         T.wgmma_gemm(do_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
+                        _row_sums_of_product(dm, qk, red_a, msum_s)
                         T.wait_wgmma(0)
                         _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
                                            start, chunk_id, head, member, group, role, head_k, head_v)
@@ -313,6 +319,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                                                     T.cast(0, ACCUM))
                         _add_dg(z_s, zsum_s, dg, start, length, head)
                     else:
+                        _row_sums_of_product(dm, qk, red_a, msum_s)
                         # dO is read (dM above): its tile takes this member's dk_wy by TMA (K = V), added
                         # to dk once the products are in. (Rows past the chunk's end are not stored.)
                         T.sync_threads()
