@@ -16,6 +16,9 @@ beta and the gates as there (keys normalised by ``k_norm_inv``);
 dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
 group sum follow outside), written in the input dtype (``qk_grads`` adds it to its fp32 sum).
 dV and dK_wy leave through shared tiles that are dead by then (V's, dV_new's: K = V) by TMA. Rows past the chunk's end: beta = 0 and dV_new = 0 there.
+Two reductions run under products they do not feed (s47, -0.9 to -1.8 %, outputs bitwise the same): R_u's
+row dots under dA_u and dA_w, dL's dbeta row terms under dK_wy's three products, the first of which
+(A_w^T dW) goes out before dL's element-wise pass.
 It also zeroes dg, which ``qk_grads`` then adds to (two atomic adds per element).
 """
 
@@ -155,14 +158,15 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             # (the same bf16 operands as dV's product): a row sum over dV's fragment instead of a
             # column sum over dA_u's, which crosses shared memory twice. dW's fragment is free (dW
             # went to its shared tile) and takes the element products.
+            # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal), issued together; the row dots
+            # are formed while they run (they read V's tile, which the products only read too).
             T.mbarrier_wait_parity(v_ready, 0)
+            T.wgmma_gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
             for i, d in T.Parallel(CHUNK, head_v):
                 dw_acc[i, d] = dv_acc[i, d] * T.cast(v_tile[i, d], ACCUM)
             T.reduce_sum(dw_acc, red_c, dim=1, batch=2)
             T.copy(red_c, cols_s)
-            # dA_u = dV_new V^T, dA_w = dW K^T (lower incl. diagonal), issued together.
-            T.wgmma_gemm(dvn_tile, v_tile, dau, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
             T.wait_wgmma(0)
             # dV out through V's tile (read for the last time by dA_u's product) by TMA.
             T.copy(dv_acc, v_tile)
@@ -197,22 +201,22 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             T.wgmma_gemm(t_h, ar_h, tmp, transpose_B=True, clear_accum=True)
             T.wgmma_gemm(k_tile, k_tile, kkt, transpose_B=True, clear_accum=True)
             T.wait_wgmma(0)
+            # dK_wy = A_w^T dW + (dKK + dKK^T) K: its first product needs no dL, so it runs under
+            # dL's pass; dL's dbeta row terms are reduced under all three.
+            T.wgmma_gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(CHUNK, CHUNK):
                 tmp[i, j] = T.Select(i > j, -tmp[i, j], T.cast(0, ACCUM))
                 dar[i, j] = beta_s[i] * tmp[i, j]
             T.copy(dar, dkk_s)
+            # (dKK + dKK^T) K as two products: dKK is strictly lower, so the sum has one term
+            # per element, and the transposed read costs the product nothing. The three are
+            # waited for once.
+            T.wgmma_gemm(dkk_s, k_tile, dw_acc)
+            T.wgmma_gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
             for i, j in T.Parallel(CHUNK, CHUNK):
                 tmp[i, j] = tmp[i, j] * kkt[i, j]
             T.reduce_sum(tmp, red_l, dim=1, batch=2)
             T.copy(red_l, lrow_s)
-
-            # dK_wy = A_w^T dW + (dKK + dKK^T) K.
-            T.wgmma_gemm(aw_s, dw_s, dw_acc, transpose_A=True, clear_accum=True)
-            # (dKK + dKK^T) K as two products: dKK is strictly lower, so the sum has one term
-            # per element, and the transposed read costs the product nothing. The three are
-            # issued back to back and waited for once.
-            T.wgmma_gemm(dkk_s, k_tile, dw_acc)
-            T.wgmma_gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
             T.wait_wgmma(0)
             # Out through dV_new's tile (dead since dV) by TMA, in the input dtype.
             T.copy(dw_acc, dvn_tile)
