@@ -1,0 +1,66 @@
+"""Forward and backward outputs on fixed seeds, saved or compared bit for bit (GPU host).
+
+For a kernel change meant to leave results unchanged (a reordering, a new schedule):
+
+    python3 scripts/bitwise_outputs.py save /tmp/before.pt     # on the old tree
+    python3 scripts/bitwise_outputs.py cmp /tmp/before.pt      # on the new tree: lists what differs
+
+The calls: 16 seeded problems (ragged varlen with pieces of 77 and 64 tokens, one long sequence with CP, grouped
+heads, the L2 norm on and off, h0 and dht or neither); the tensors: o, the final state, and dq, dk, dv, dg, dbeta,
+dh0 of the backward. Our kernels are deterministic, so any difference is the change's (or a race).
+"""
+
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from profile_kernels import row_inputs  # noqa: E402
+
+from flash_gdn import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd  # noqa: E402
+
+ROWS = ("16/32:1000+77+2900+64", "2/4:1x8192", "4/8:333x3", "8/32:4096x2")
+
+
+def outputs() -> dict:
+    out = {}
+    for idx, spec in enumerate(ROWS):
+        for norm in (False, True):
+            for states in (False, True):
+                torch.manual_seed(100 * idx + 10 * norm + states)
+                x = row_inputs(spec)
+                n, hv, dk = x["cu_seqlens"].numel() - 1, x["v"].shape[2], x["k"].shape[3]
+                h0 = torch.randn(n, hv, dk, x["v"].shape[3], device="cuda") if states else None
+                o, final, saved = chunk_gated_delta_rule_fwd(
+                    **x, initial_state=h0, output_final_state=states, use_qk_l2norm_in_kernel=norm)
+                do = torch.randn_like(x["v"])
+                dht = torch.randn_like(final) if states else None
+                grads = chunk_gated_delta_rule_bwd(do, dht, saved)
+                named = {"o": o, "final_state": final, **grads._asdict()}
+                for name, t in named.items():
+                    if t is not None:
+                        out[f"{spec} norm={norm} states={states} {name}"] = t.float().cpu()
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("save", "cmp"):
+        sys.exit("usage: bitwise_outputs.py save|cmp FILE")
+    mode, path = sys.argv[1:]
+    out = outputs()
+    if mode == "save":
+        torch.save(out, path)
+        print(f"saved {len(out)} tensors to {path}")
+        return
+    ref = torch.load(path)
+    differing = 0
+    for key, t in out.items():
+        diff = (t - ref[key]).abs().max().item()
+        if diff != 0 or torch.isnan(t).any():
+            differing += 1
+            print(f"DIFF {key}: max |new - old| {diff:.3e}")
+    print(f"compared {len(out)} tensors, {differing} differing")
+
+
+if __name__ == "__main__":
+    main()
