@@ -5,7 +5,7 @@ For a kernel change meant to leave results unchanged (a reordering, a new schedu
     python3 scripts/bitwise_outputs.py save /tmp/before.pt     # on the old tree
     python3 scripts/bitwise_outputs.py cmp /tmp/before.pt      # on the new tree: lists what differs
 
-The calls: 16 seeded problems (ragged varlen with pieces of 77 and 64 tokens, one long sequence with CP, grouped
+The calls: 16 seeded problems (ragged varlen with pieces of 77 and 64 tokens, one long sequence at few heads, grouped
 heads, the L2 norm on and off, h0 and dht or neither); the tensors: o, the final state, and dq, dk, dv, dg, dbeta,
 dh0 of the backward. Our kernels are deterministic, so any difference is the change's (or a race).
 """

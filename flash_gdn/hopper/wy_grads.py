@@ -16,10 +16,10 @@ beta and the gates as there (keys normalised by ``k_norm_inv``);
 dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
 group sum follow outside), written in the input dtype (``qk_grads`` adds it to its fp32 sum).
 dV and dK_wy leave through shared tiles that are dead by then (V's, dV_new's: K = V) by TMA. Rows past the chunk's end: beta = 0 and dV_new = 0 there.
+It also zeroes dg, which ``qk_grads`` then adds to (two atomic adds per element).
 Two reductions run under products they do not feed (s47, -0.9 to -1.8 %, outputs bitwise the same): R_u's
 row dots under dA_u and dA_w, dL's dbeta row terms under dK_wy's three products, the first of which
 (A_w^T dW) goes out before dL's element-wise pass.
-It also zeroes dg, which ``qk_grads`` then adds to (two atomic adds per element).
 """
 
 import functools
