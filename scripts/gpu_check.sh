@@ -9,13 +9,7 @@ cd "$(dirname "$0")/.."
 bundle=${1:-.gpu}
 shift || true
 [ "${1:-}" = "--" ] && shift
-site=${SITE:-/tmp/flash_gdn_site}
-if ! python3 -c "import tilelang" 2>/dev/null; then
-  mkdir -p "$site" && tar xJf "$bundle"/site-py312-tilelang*.tar.xz -C "$site" || exit 1
-  python3 -m pip install -q --no-index --no-deps --target "$site/fla" "$bundle"/fla_core-*.whl || exit 1
-  export PYTHONPATH="$site:$site/fla:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" FLA_FLASH_QLA=0 PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 
 # Every kernel variant the tests and the benchmark launch (K = V = 128 and 64, bf16 and fp16),
