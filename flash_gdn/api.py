@@ -279,7 +279,7 @@ def chunk_gated_delta_rule(
     """
     compiling = torch.compiler.is_compiling()
     if compiling and save_chunk_states:  # (its saved intermediates are not op outputs: a graph break)
-        return _eager_chunk_gated_delta_rule(
+        return _eager_api()(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
             state_v_first, save_chunk_states, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
             allow_neg_eigval=allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
@@ -307,5 +307,14 @@ def chunk_gated_delta_rule(
     return (out[0], out[1]) if output_final_state else (out[0], None)
 
 
-# The eager API called from a compiled region where the ops cannot serve (a graph break).
-_eager_chunk_gated_delta_rule = torch.compiler.disable(chunk_gated_delta_rule)
+_EAGER_API = None
+
+
+def _eager_api():
+    """The eager API, called from a compiled region where the ops cannot serve (a graph break).
+    Made at the first such call: ``torch.compiler.disable`` imports ``torch._dynamo``, 2-4 s that
+    ``import flash_gdn`` would otherwise pay without a compiled region in sight (s49)."""
+    global _EAGER_API
+    if _EAGER_API is None:
+        _EAGER_API = torch.compiler.disable(chunk_gated_delta_rule)
+    return _EAGER_API

@@ -7,13 +7,14 @@ import torch
 
 def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,), backward: bool = False) -> list[str]:
     """Build every forward kernel variant (and with ``backward`` every backward one) for
-    ``head_dim`` and ``dtypes`` on this GPU, side by side in threads (``hopper.prebuild``).
+    ``head_dim`` and ``dtypes`` on this GPU, side by side (``hopper.prebuild``: by forked
+    workers where TileLang's cache is cold, then loaded by threads).
 
     Head counts and sequence lengths are symbolic in the kernels, so one warm-up covers
     every head configuration and every batch. Returns the names of the variants built.
     """
     from .hopper.forward import fused_opted_in
-    from .hopper.prebuild import run_concurrently
+    from .hopper.prebuild import build_all
     from .hopper.tiles import TL_DTYPE
     from .hopper.variants import backward_kernel_builders, kernel_builders, opt_in_builders, planning_builders
 
@@ -24,7 +25,7 @@ def warmup(head_dim: int = 128, dtypes: tuple[torch.dtype, ...] = (torch.bfloat1
             named += opt_in_builders(head_dim, TL_DTYPE[dtype])
         if backward:
             named += backward_kernel_builders(head_dim, TL_DTYPE[dtype])
-    run_concurrently([build for _, build in named])
+    build_all([build for _, build in named], ("warmup", head_dim, tuple(map(str, dtypes)), backward, fused_opted_in()))
     return [name for name, _ in named]
 
 

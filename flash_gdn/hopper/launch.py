@@ -12,6 +12,9 @@ same way (the TVM-FFI argument conversion does that), so behaviour is unchanged.
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import tilelang
 
 # nvcc flags of every kernel. -ftz=true: fp32 denormals flush to zero, so each exponential
@@ -23,9 +26,31 @@ import tilelang
 COMPILE_FLAGS = ["-ftz=true"]
 
 
+# One lock for every factory's decoration: CPython 3.11 can fail to parse source in two threads
+# at once ("AST constructor recursion depth mismatch"), and the prebuild's threads would.
+_DECORATE = threading.Lock()
+
+
 def jit(kernel_factory):
-    """``tilelang.jit`` with this project's ``COMPILE_FLAGS``: the decorator of every kernel factory."""
-    return tilelang.jit(compile_flags=list(COMPILE_FLAGS))(kernel_factory)
+    """``tilelang.jit`` with this project's ``COMPILE_FLAGS``: the decorator of every kernel factory.
+
+    Applied at the factory's first call rather than here: ``tilelang.jit`` parses and rewrites
+    the factory's source when it decorates (~0.2-0.4 s a factory), and importing the kernel
+    modules would pay that for all of their factories on every first call, where a call uses
+    four to ten of them (s49: ``hopper.forward``'s import 2.5 -> 0.4 s on a CPU host). The
+    decorations take one lock, as they did one after the other at import."""
+    decorated = None
+
+    @functools.wraps(kernel_factory)
+    def factory(*args, **kwargs):
+        nonlocal decorated
+        if decorated is None:
+            with _DECORATE:
+                if decorated is None:
+                    decorated = tilelang.jit(compile_flags=list(COMPILE_FLAGS))(kernel_factory)
+        return decorated(*args, **kwargs)
+
+    return factory
 
 
 class Launcher:

@@ -1,34 +1,60 @@
 """Compiling the kernels a call needs side by side, at the first call that needs them.
 
 Without this a cold first call compiles each kernel when it first launches, one after the
-other: the forward's four to six kernels take ~25-35 s on the H200 host, the backward's
-eight to ten about a minute. nvcc runs as a subprocess and TileLang's lowering releases the
-GIL, so threads compile them concurrently and the first call waits about as long as its
-slowest kernel. Later calls pay one set lookup.
+other: the forward's four to six kernels take ~25-40 s on the H200 host, the backward's
+eight to ten about a minute. Two ways, both ending in the same cached kernels:
 
-``FLASH_GDN_BUILD_THREADS=n`` caps the threads (1: one kernel at a time, as before).
+- **Threads** (``run_concurrently``): nvcc runs as a subprocess and TileLang's C++ passes
+  release the GIL, so threads compile side by side; but the tracing and the passes written in
+  Python hold it. On the H200 host (16 cores, s49) a CP forward's six kernels take 14.2 s in
+  threads where the slowest alone takes 9.1 s.
+- **Forked workers** (``compile_in_workers``), where TileLang's cache is cold: the process
+  forks one worker per share of the kernels, each compiles its share into TileLang's disk
+  cache and exits, and the threads then load what they wrote. A fork starts with every module
+  already imported (a fresh interpreter would import torch, TileLang and this package first:
+  ~12 s on that host). The workers never touch CUDA (compiling needs no GPU) and leave by
+  ``os._exit``, so nothing of the parent's CUDA state or exit handlers runs in them. A marker
+  file in TileLang's cache directory, named by the configuration, the target, TileLang's
+  version and this package's kernel sources, records that the workers filled the cache once:
+  a warm start goes to the threads directly. A worker that fails leaves its kernels to the
+  threads, which compile them and raise any error.
+
+``FLASH_GDN_BUILD_THREADS=n`` caps the threads and the workers (1: one kernel at a time in this
+process, as before); ``FLASH_GDN_BUILD_WORKERS=0`` keeps the compilation in this process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 _built: set = set()
-_lock = threading.Lock()
+_lock = threading.RLock()  # also held by build_all: no fork while another thread compiles
 
 
 def build_together(key, make_builders) -> None:
     """Once per ``key``: run the zero-argument builders (cached kernel builders) that
-    ``make_builders()`` lists, concurrently."""
+    ``make_builders()`` lists, concurrently (``build_all``)."""
     if key in _built:
         return
     with _lock:
         if key in _built:
             return
-        run_concurrently(make_builders())
+        build_all(make_builders(), key)
         _built.add(key)
+
+
+def build_all(builders, key) -> list:
+    """The builders' kernels: compiled by forked workers where the cache is cold for ``key``
+    (``compile_in_workers``), then built (loaded) by threads in this process; results in order."""
+    builders = list(builders)
+    with _lock:
+        compile_in_workers(builders, key)
+        return run_concurrently(builders)
 
 
 def run_concurrently(builders) -> list:
@@ -45,10 +71,112 @@ def run_concurrently(builders) -> list:
         with target:
             return build()
 
-    cap = int(os.environ.get("FLASH_GDN_BUILD_THREADS", "0")) or (os.cpu_count() or 1)
-    workers = max(1, min(len(builders), cap))
+    workers = max(1, min(len(builders), _cap()))
     if workers == 1:
         return [run(build) for build in builders]
     with ThreadPoolExecutor(workers, thread_name_prefix="flash-gdn-build") as pool:
         futures = [pool.submit(run, build) for build in builders]
         return [f.result() for f in futures]
+
+
+def _cap() -> int:
+    return int(os.environ.get("FLASH_GDN_BUILD_THREADS", "0")) or (os.cpu_count() or 1)
+
+
+def workers_opted() -> bool:
+    return (os.environ.get("FLASH_GDN_BUILD_WORKERS", "1") != "0" and _cap() > 1 and hasattr(os, "fork")
+            and sys.platform.startswith("linux"))
+
+
+def compile_in_workers(builders, key) -> bool:
+    """Compile the builders' kernels into TileLang's disk cache in forked worker processes (at
+    most ``FLASH_GDN_BUILD_THREADS`` or one per CPU; worker j takes kernels j, j + n, ...), where
+    that cache is cold for ``key`` (no marker) and workers are allowed (``workers_opted``).
+    Returns whether workers ran. A worker's failure raises nothing here: the caller's own
+    builds then compile what is missing and raise its error."""
+    if len(builders) < 2 or not workers_opted():
+        return False
+    target = _resolved_target()
+    if target is None:
+        return False
+    marker = _marker_path(key, target)
+    if marker is None or os.path.exists(marker):
+        return False
+    workers = min(len(builders), _cap())
+    pids = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (3.12: "process is multi-threaded")
+        for j in range(workers):
+            pid = os.fork()
+            if pid == 0:  # the worker: compile, then leave without running anything of the parent's
+                code = 1
+                try:
+                    _compile_share(builders[j::workers], target)
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+    ok = True
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        ok = ok and os.waitstatus_to_exitcode(status) == 0
+    if ok:
+        try:
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            with open(marker, "w"):
+                pass
+        except OSError:
+            pass
+    return True
+
+
+def _compile_share(builders, target: str) -> None:
+    """In a worker: build each kernel under ``target``; they land in TileLang's disk cache."""
+    from tilelang import tvm
+
+    with tvm.target.Target(target):
+        for build in builders:
+            build()
+
+
+def _resolved_target() -> str | None:
+    """The TVM target string this process's builds use (the current target, else TileLang's
+    automatic one), or None where it cannot be told (no GPU and no target given)."""
+    try:
+        from tilelang import tvm
+
+        target = tvm.target.Target.current(allow_none=True)
+        if target is None:
+            from tilelang.backend.target import determine_target
+
+            target = determine_target("auto", return_object=True)
+        # The string of a copy: str() of the target object itself keeps its string, and TileLang's
+        # cache key of a kernel built later under it then lacks the host target it has otherwise.
+        return str(tvm.target.Target(target.export()))
+    except Exception:
+        return None
+
+
+_sources_digest: str | None = None
+
+
+def _marker_path(key, target: str) -> str | None:
+    """TileLang's cache directory / flash_gdn-built / a digest of the configuration, the target,
+    TileLang's version and this package's kernel sources (an edited kernel is a cold cache)."""
+    global _sources_digest
+    try:
+        import tilelang
+        from tilelang.env import env
+
+        if _sources_digest is None:
+            digest = hashlib.sha256()
+            here = os.path.dirname(os.path.abspath(__file__))
+            for name in sorted(os.listdir(here)):
+                if name.endswith(".py"):
+                    with open(os.path.join(here, name), "rb") as f:
+                        digest.update(name.encode() + f.read())
+            _sources_digest = digest.hexdigest()
+        name = hashlib.sha256(repr((key, target, tilelang.__version__, _sources_digest)).encode()).hexdigest()[:32]
+        return os.path.join(str(env.TILELANG_CACHE_DIR), "flash_gdn-built", name)
+    except Exception:
+        return None

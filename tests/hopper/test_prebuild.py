@@ -1,5 +1,6 @@
 """A call's kernels are compiled together at their first use, once per configuration."""
 
+import os
 import shutil
 import threading
 
@@ -76,3 +77,56 @@ def test_warmup_builds_every_variant_of_a_head_size():
         names = warmup(head_dim=128, backward=True)
     expected = planning_builders() + kernel_builders(128, "bfloat16") + backward_kernel_builders(128, "bfloat16")
     assert names == [name for name, _ in expected]
+
+
+# Run in a fresh interpreter: TileLang's in-memory caches in this one (kernels built by earlier
+# tests) would let a worker skip the compile and leave the disk cache empty.
+WORKERS_SCRIPT = """
+import json, os, sys
+from tilelang import tvm
+from flash_gdn.hopper import plan_kernels, prebuild
+
+def cached_kernels():  # TileLang's disk cache: a folder per kernel key (binary and library)
+    return sorted(name for _, dirs, _ in os.walk(os.environ["TILELANG_CACHE_DIR"]) for name in dirs if len(name) == 64)
+
+def builders():
+    return [lambda: plan_kernels.build_sequence_prefix("int32"), plan_kernels.build_cut_pieces]
+
+key = ("test-plan",)
+with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+    ran = prebuild.compile_in_workers(builders(), key)
+    by_workers = cached_kernels()
+    marker = os.listdir(os.path.join(os.environ["TILELANG_CACHE_DIR"], "flash_gdn-built"))
+    kernels = prebuild.build_all(builders(), key)  # warm now: no workers, the threads load
+    print(json.dumps(dict(ran=ran, by_workers=by_workers, after=cached_kernels(), marker=marker,
+                          again=prebuild.compile_in_workers(builders(), key),
+                          sources=all("__global__" in k.get_kernel_source() for k in kernels))))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_forked_workers_fill_the_cache_the_threads_then_load(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path), FLASH_GDN_BUILD_THREADS="2")
+    env.pop("FLASH_GDN_BUILD_WORKERS", None)
+    out = subprocess.run([sys.executable, "-c", WORKERS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ran"] and len(r["by_workers"]) >= 2 and r["marker"]  # the workers' kernels and the marker
+    # The same keys: the threads loaded the workers' kernels rather than compiling their own
+    # (a target string that differed from the caller's would give new keys, s49).
+    assert r["after"] == r["by_workers"]
+    assert not r["again"] and r["sources"]  # warm: no workers again
+
+
+def test_no_workers_when_switched_off_or_for_one_kernel(monkeypatch):
+    from flash_gdn.hopper import prebuild
+
+    monkeypatch.setenv("FLASH_GDN_BUILD_WORKERS", "0")
+    assert not prebuild.compile_in_workers([lambda: None, lambda: None], ("off",))
+    monkeypatch.delenv("FLASH_GDN_BUILD_WORKERS")
+    assert not prebuild.compile_in_workers([lambda: None], ("one",))
