@@ -16,7 +16,8 @@ eight to ten about a minute. Two ways, both ending in the same cached kernels:
   ``os._exit``, so nothing of the parent's CUDA state or exit handlers runs in them. A marker
   file in TileLang's cache directory, named by the configuration, the target, TileLang's
   version and this package's kernel sources, records that the workers filled the cache once:
-  a warm start goes to the threads directly. A worker that fails leaves its kernels to the
+  a warm start goes to the threads directly. A worker that fails, or is still running after a
+  generous deadline (two minutes a kernel; then it is killed), leaves its kernels to the
   threads, which compile them and raise any error.
 
 ``FLASH_GDN_BUILD_THREADS=n`` caps the threads and the workers (1: one kernel at a time in this
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -116,10 +119,7 @@ def compile_in_workers(builders, key) -> bool:
                 finally:
                     os._exit(code)
             pids.append(pid)
-    ok = True
-    for pid in pids:
-        _, status = os.waitpid(pid, 0)
-        ok = ok and os.waitstatus_to_exitcode(status) == 0
+    ok = _wait_for(pids, WORKER_SECONDS_FIXED + WORKER_SECONDS_PER_KERNEL * -(-len(builders) // workers))
     if ok:
         try:
             os.makedirs(os.path.dirname(marker), exist_ok=True)
@@ -128,6 +128,32 @@ def compile_in_workers(builders, key) -> bool:
         except OSError:
             pass
     return True
+
+
+# How long the workers may take before they are stopped and the threads compile instead: no
+# kernel takes a minute on the H200 host (s49: 3-9 s each), so only a hung worker meets this.
+WORKER_SECONDS_FIXED = 120.0
+WORKER_SECONDS_PER_KERNEL = 120.0
+
+
+def _wait_for(pids, seconds: float) -> bool:
+    """Wait for the workers, at most ``seconds``; then kill what is left. Whether all exited 0."""
+    deadline = time.monotonic() + seconds
+    ok, left = True, list(pids)
+    while left:
+        for pid in list(left):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                left.remove(pid)
+                ok = ok and os.waitstatus_to_exitcode(status) == 0
+        if left:
+            if time.monotonic() > deadline:
+                for pid in left:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                return False
+            time.sleep(0.02)
+    return ok
 
 
 def _compile_share(builders, target: str) -> None:

@@ -130,3 +130,22 @@ def test_no_workers_when_switched_off_or_for_one_kernel(monkeypatch):
     assert not prebuild.compile_in_workers([lambda: None, lambda: None], ("off",))
     monkeypatch.delenv("FLASH_GDN_BUILD_WORKERS")
     assert not prebuild.compile_in_workers([lambda: None], ("one",))
+
+
+def test_workers_past_their_deadline_are_stopped():
+    import time
+
+    from flash_gdn.hopper import prebuild
+
+    fast, slow = os.fork(), None
+    if fast == 0:
+        os._exit(0)
+    slow = os.fork()
+    if slow == 0:
+        time.sleep(60)
+        os._exit(0)
+    start = time.monotonic()
+    assert not prebuild._wait_for([fast, slow], 0.5)  # the slow one killed: the threads compile instead
+    assert time.monotonic() - start < 10
+    with pytest.raises(ChildProcessError):
+        os.waitpid(slow, os.WNOHANG)  # reaped
