@@ -9,11 +9,14 @@ calling process's threads) and ``workers`` (the default: forked workers on a col
 and the kernel modules are imported by the first call, inside its time. ``--infer``: the first
 call is an inference forward (no autograd); otherwise a training forward, then its backward.
 
-    python3 scripts/first_call_time.py [--infer] 2/8:1x8192 16/32:8192x4
+    python3 scripts/first_call_time.py [--infer] [--repeat N] 2/8:1x8192 16/32:8192x4
+
+``--repeat N`` runs the modes N times in turn on each row (the host's speed drifts between runs).
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,13 +59,13 @@ def run(spec: str, mode: str, cache: str, infer: bool) -> dict:
     return {**json.loads(lines[-1]), "wall": wall}
 
 
-def main(specs, infer=False):
+def main(specs, infer=False, repeat=1):
     # cached: kernel folders in the cache afterwards (binary + library per kernel); equal in both
     # modes when the threads load what the workers compiled instead of compiling it again.
     print(f"{'row':<16} {'mode':<10} {'cache':<5} {'forward s':>9} {'backward s':>10} {'process s':>9} {'cached':>6}",
           flush=True)
     for spec in specs:
-        for mode in ("threads", "workers"):
+        for mode in ("threads", "workers") * repeat:
             cache = tempfile.mkdtemp(prefix="tlc-first-")
             for state in ("cold", "warm"):
                 r = run(spec, mode, cache, infer)
@@ -70,8 +73,15 @@ def main(specs, infer=False):
                     print(f"{spec:<16} {mode:<10} {state:<5} error: {r['error']}", flush=True)
                     continue
                 print(f"{spec:<16} {mode:<10} {state:<5} {r['forward']:9.1f} {r['backward']:10.1f} {r['wall']:9.1f} {r['cached']:6d}", flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--infer"]
-    main(args or ["2/8:1x8192"], infer="--infer" in sys.argv)
+    argv = sys.argv[1:]
+    repeat = 1
+    if "--repeat" in argv:
+        i = argv.index("--repeat")
+        repeat = int(argv[i + 1])
+        del argv[i:i + 2]
+    args = [a for a in argv if a != "--infer"]
+    main(args or ["2/8:1x8192"], infer="--infer" in argv, repeat=repeat)
