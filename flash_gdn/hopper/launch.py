@@ -17,6 +17,8 @@ import threading
 
 import tilelang
 
+from . import kernel_index
+
 # nvcc flags of every kernel. -ftz=true: fp32 denormals flush to zero, so each exponential
 # (``T.__exp``, ex2.approx) compiles to one MUFU.EX2 and a multiply instead of five instructions
 # with the denormal range fix-up (a compare and two multiplies more): ~100 instructions a thread
@@ -38,17 +40,26 @@ def jit(kernel_factory):
     the factory's source when it decorates (~0.2-0.4 s a factory), and importing the kernel
     modules would pay that for all of their factories on every first call, where a call uses
     four to ten of them (s49: ``hopper.forward``'s import 2.5 -> 0.4 s on a CPU host). The
-    decorations take one lock, as they did one after the other at import."""
+    decorations take one lock, as they did one after the other at import. A kernel that
+    ``kernel_index`` has seen built loads from TileLang's cache without either (s50)."""
     decorated = None
 
     @functools.wraps(kernel_factory)
     def factory(*args, **kwargs):
         nonlocal decorated
+        entry = kernel_index.entry_for(kernel_factory, args, kwargs, COMPILE_FLAGS)
+        if entry is not None:
+            kernel = entry.load()  # a warm cache: no decoration, no tracing (kernel_index)
+            if kernel is not None:
+                return kernel
         if decorated is None:
             with _DECORATE:
                 if decorated is None:
                     decorated = tilelang.jit(compile_flags=list(COMPILE_FLAGS))(kernel_factory)
-        return decorated(*args, **kwargs)
+        kernel = decorated(*args, **kwargs)
+        if entry is not None:
+            entry.save(kernel)
+        return kernel
 
     return factory
 

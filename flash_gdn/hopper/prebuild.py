@@ -10,15 +10,15 @@ eight to ten about a minute. Two ways, both ending in the same cached kernels:
   threads where the slowest alone takes 9.1 s.
 - **Forked workers** (``compile_in_workers``), where TileLang's cache is cold: the process
   forks one worker per share of the kernels, each compiles its share into TileLang's disk
-  cache and exits, and the threads then load what they wrote. A fork starts with every module
-  already imported (a fresh interpreter would import torch, TileLang and this package first:
-  ~12 s on that host). The workers never touch CUDA (compiling needs no GPU) and leave by
-  ``os._exit``, so nothing of the parent's CUDA state or exit handlers runs in them. A marker
-  file in TileLang's cache directory, named by the configuration, the target, TileLang's
-  version and this package's kernel sources, records that the workers filled the cache once:
-  a warm start goes to the threads directly. A worker that fails, or is still running after a
-  generous deadline (two minutes a kernel; then it is killed), leaves its kernels to the
-  threads, which compile them and raise any error.
+  cache and exits, and the threads then load what they wrote (by ``kernel_index``: no tracing).
+  A fork starts with every module already imported (a fresh interpreter would import torch,
+  TileLang and this package first: ~12 s on that host). The workers never touch CUDA
+  (compiling needs no GPU) and leave by ``os._exit``, so nothing of the parent's CUDA state or
+  exit handlers runs in them. A marker file in TileLang's cache directory, named by the
+  configuration, the target, TileLang's version and this package's sources, records that the
+  workers filled the cache once: a warm start goes to the threads directly. A worker that
+  fails, or is still running after a generous deadline (two minutes a kernel; then it is
+  killed), leaves its kernels to the threads, which compile them and raise any error.
 
 ``FLASH_GDN_BUILD_THREADS=n`` caps the threads and the workers (1: one kernel at a time in this
 process, as before); ``FLASH_GDN_BUILD_WORKERS=0`` keeps the compilation in this process.
@@ -96,8 +96,9 @@ def compile_in_workers(builders, key) -> bool:
     most ``FLASH_GDN_BUILD_THREADS`` or one per CPU; worker j takes kernels j, j + n, ...), where
     that cache is cold for ``key`` (no marker) and workers are allowed (``workers_opted``).
     Returns whether workers ran. A worker's failure raises nothing here: the caller's own
-    builds then compile what is missing and raise its error."""
-    if len(builders) < 2 or not workers_opted():
+    builds then compile what is missing and raise its error. Not once a backward has run on a
+    GPU in this process (``autograd_threads_running``)."""
+    if len(builders) < 2 or not workers_opted() or autograd_threads_running():
         return False
     target = _resolved_target()
     if target is None:
@@ -128,6 +129,23 @@ def compile_in_workers(builders, key) -> bool:
         except OSError:
             pass
     return True
+
+
+def autograd_threads_running() -> bool:
+    """Whether torch's autograd engine has started its device threads (``pt_autograd_N``; the
+    first backward on a GPU starts them). A child forked after that dies inside ``os.fork()``:
+    the Python states of those threads are cleared in the child, and a CUDA object they held
+    calls into CUDA from its destructor, which a forked child may not (H200, s50:
+    ``c10::AcceleratorError``, then SIGABRT; ``scripts/fork_probe.py``). So the workers are not
+    forked then, and the threads compile."""
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith("pt_autograd"):
+                    return True
+    except OSError:  # (a thread gone between the listing and the read; no /proc)
+        return False
+    return False
 
 
 # How long the workers may take before they are stopped and the threads compile instead: no
@@ -183,26 +201,16 @@ def _resolved_target() -> str | None:
         return None
 
 
-_sources_digest: str | None = None
-
-
 def _marker_path(key, target: str) -> str | None:
     """TileLang's cache directory / flash_gdn-built / a digest of the configuration, the target,
-    TileLang's version and this package's kernel sources (an edited kernel is a cold cache)."""
-    global _sources_digest
+    TileLang's version and this package's sources (an edited kernel is a cold cache)."""
     try:
         import tilelang
         from tilelang.env import env
 
-        if _sources_digest is None:
-            digest = hashlib.sha256()
-            here = os.path.dirname(os.path.abspath(__file__))
-            for name in sorted(os.listdir(here)):
-                if name.endswith(".py"):
-                    with open(os.path.join(here, name), "rb") as f:
-                        digest.update(name.encode() + f.read())
-            _sources_digest = digest.hexdigest()
-        name = hashlib.sha256(repr((key, target, tilelang.__version__, _sources_digest)).encode()).hexdigest()[:32]
+        from .kernel_index import sources_digest
+
+        name = hashlib.sha256(repr((key, target, tilelang.__version__, sources_digest())).encode()).hexdigest()[:32]
         return os.path.join(str(env.TILELANG_CACHE_DIR), "flash_gdn-built", name)
     except Exception:
         return None

@@ -149,3 +149,34 @@ def test_workers_past_their_deadline_are_stopped():
     assert time.monotonic() - start < 10
     with pytest.raises(ChildProcessError):
         os.waitpid(slow, os.WNOHANG)  # reaped
+
+
+def _named_thread(name: bytes, started, stop):
+    """A thread whose OS name is ``name`` (as torch names its autograd device threads) until ``stop``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME: this thread's comm
+    started.set()
+    stop.wait(30)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_no_workers_once_autograd_device_threads_run(monkeypatch):
+    from flash_gdn.hopper import prebuild
+
+    assert not prebuild.autograd_threads_running()
+    started, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=_named_thread, args=(b"pt_autograd_0", started, stop))
+    thread.start()
+    try:
+        started.wait(10)
+        assert prebuild.autograd_threads_running()
+        forks = []
+        monkeypatch.setattr(prebuild.os, "fork", lambda: forks.append(1) or 1)
+        assert not prebuild.compile_in_workers([lambda: None, lambda: None], ("after a backward",))
+        assert not forks
+    finally:
+        stop.set()
+        thread.join()
+    assert not prebuild.autograd_threads_running()

@@ -1,0 +1,129 @@
+"""An index from a kernel factory's arguments to TileLang's disk cache: warm loads without tracing.
+
+TileLang finds a compiled kernel on disk by a key computed from the traced kernel
+(``PrimFunc.script()``), so even a warm cache traces every kernel first: decorating its factory
+(~0.2-0.4 s of source parsing) and running it (~0.1-0.5 s), four to ten kernels a call. On a cold
+first call the forked compile workers (``prebuild``) fill the cache, and the calling process then
+traced every kernel again to find what they wrote (s49: ~1-3 s of the first call on the H200
+host).
+
+This index keeps, per (factory, arguments, compile flags, resolved target and execution
+backend, pass configurations, TileLang version, this package's sources), TileLang's key of the
+kernel it built and the traced function as TVM JSON. A later process loads the kernel from
+TileLang's cache entry with that function (TileLang's own load: its integrity checks, its
+adapter), a few tens of milliseconds, with no tracing. Every entry is written by the ordinary
+path after a build, so a miss, an unreadable entry or a failed load just takes that path.
+
+Entries live in ``$TILELANG_CACHE_DIR/flash_gdn-index/``, one file each, written atomically.
+An edit to any module of this package changes every entry's name (the sources digest), so an
+index never serves a kernel built from other sources. ``FLASH_GDN_KERNEL_INDEX=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_sources_digest: str | None = None
+
+
+def sources_digest() -> str:
+    """sha256 over this package's Python sources (kernel factories, their helpers, planning)."""
+    global _sources_digest
+    if _sources_digest is None:
+        digest = hashlib.sha256()
+        for root, dirs, files in os.walk(_PACKAGE):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    with open(path, "rb") as f:
+                        digest.update(os.path.relpath(path, _PACKAGE).encode() + b"\0" + f.read())
+        _sources_digest = digest.hexdigest()
+    return _sources_digest
+
+
+def enabled() -> bool:
+    return os.environ.get("FLASH_GDN_KERNEL_INDEX", "1") != "0"
+
+
+class IndexEntry:
+    """Where one factory call's kernel is indexed, with what TileLang's cache needs to load it."""
+
+    __slots__ = ("path", "cache", "context", "pass_configs", "compile_flags")
+
+    def __init__(self, path, cache, context, pass_configs, compile_flags):
+        self.path, self.cache, self.context = path, cache, context
+        self.pass_configs, self.compile_flags = pass_configs, compile_flags
+
+    def load(self):
+        """The indexed kernel from TileLang's disk cache, or None (no entry, or not loadable)."""
+        try:
+            with open(self.path) as f:
+                entry = json.load(f)
+            key = entry["tilelang_key"]
+            # A missing or incomplete cache entry is a plain miss; only a complete one is loaded
+            # (TileLang removes an entry it cannot load, so nothing is tried on a partial one).
+            if self.cache._get_missing_complete_cache_files(self.cache._get_cache_path(key)):
+                return None
+            from tilelang import tvm
+
+            func = tvm.ir.load_json(entry["func"])
+            return self.cache._load_kernel_from_disk(key, self.context, None, self.pass_configs, self.compile_flags,
+                                                     func, False)
+        except Exception:  # (an absent file, an entry of another layout, TileLang's internals moved)
+            return None
+
+    def save(self, kernel) -> None:
+        """Index ``kernel`` (just built by TileLang's own path) under this entry."""
+        try:
+            key = getattr(kernel, "_tilelang_cache_key", None)
+            func = getattr(kernel, "prim_func", None)
+            if key is None or func is None:
+                return
+            from tilelang import tvm
+
+            text = json.dumps({"tilelang_key": key, "func": tvm.ir.save_json(func)})
+            folder = os.path.dirname(self.path)
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.replace(tmp, self.path)  # atomic: a reader sees the old entry or the whole new one
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except Exception:  # (a read-only cache folder, a full disk: the index is only a shortcut)
+            pass
+
+
+def entry_for(factory, args: tuple, kwargs: dict, compile_flags: list[str]) -> IndexEntry | None:
+    """The index entry of ``factory(*args, **kwargs)`` built under the current TVM target, as
+    ``tilelang.jit`` with default options (target, execution backend, pass configurations) would
+    build it; None where the index is off or those cannot be resolved (no target given and no
+    GPU, TileLang's cache disabled)."""
+    if not enabled():
+        return None
+    try:
+        import tilelang
+        import tilelang.cache as tl_cache
+        from tilelang.env import env
+        from tilelang.transform.pass_config import normalize_pass_configs
+
+        if not env.is_cache_enabled():
+            return None
+        cache, context, _ = tl_cache._resolve_cache_dispatch(None, None, None, False)
+        pass_configs = normalize_pass_configs(None)
+        ident = repr((factory.__module__, factory.__qualname__, args, sorted(kwargs.items()), compile_flags,
+                      str(context.target), str(context.target_host), context.execution_backend.name,
+                      sorted((str(k), str(v)) for k, v in pass_configs.items()), tilelang.__version__,
+                      sources_digest()))
+        name = hashlib.sha256(ident.encode()).hexdigest()[:40]
+        path = os.path.join(str(env.TILELANG_CACHE_DIR), "flash_gdn-index", name + ".json")
+        return IndexEntry(path, cache, context, pass_configs, list(compile_flags))
+    except Exception:
+        return None

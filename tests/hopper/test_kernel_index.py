@@ -1,0 +1,93 @@
+"""A kernel built once is loaded by later processes from TileLang's cache without tracing."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tilelang")
+
+SM90 = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _entry(factory_args=(1, 2)):
+    from tilelang import tvm
+
+    from flash_gdn.hopper import kernel_index
+
+    def factory(*args):
+        return args
+
+    with tvm.target.Target(SM90):
+        return kernel_index.entry_for(factory, factory_args, {}, ["-ftz=true"])
+
+
+def test_entries_are_named_by_arguments_and_sources(monkeypatch):
+    from flash_gdn.hopper import kernel_index
+
+    a, b = _entry((1, 2)), _entry((1, 3))
+    assert a is not None and a.path != b.path and a.path == _entry((1, 2)).path
+    monkeypatch.setattr(kernel_index, "_sources_digest", "an edited package")
+    assert _entry((1, 2)).path != a.path  # other sources: another entry, never the old kernel
+
+
+def test_switched_off_or_without_a_target(monkeypatch):
+    from flash_gdn.hopper import kernel_index
+
+    monkeypatch.setenv("FLASH_GDN_KERNEL_INDEX", "0")
+    assert _entry() is None
+    monkeypatch.delenv("FLASH_GDN_KERNEL_INDEX")
+    import torch
+
+    if not torch.cuda.is_available():  # no target given and none to detect: no entry
+        assert kernel_index.entry_for(lambda: None, (), {}, []) is None
+
+
+def test_unreadable_entries_are_misses(tmp_path):
+    entry = _entry()
+    entry.path = str(tmp_path / "entry.json")
+    assert entry.load() is None  # no file
+    (tmp_path / "entry.json").write_text("{not json")
+    assert entry.load() is None
+    (tmp_path / "entry.json").write_text(json.dumps({"tilelang_key": "0" * 64, "func": "{}"}))
+    assert entry.load() is None  # no such cache entry: not even the function is read
+    entry.save(object())  # nothing to index: no key, no function
+    assert json.loads((tmp_path / "entry.json").read_text())["tilelang_key"] == "0" * 64
+
+
+# Fresh interpreters with a cache of their own: the first compiles and indexes, the second must
+# load through the index (tilelang.jit made unusable there) and get the same kernel.
+BUILD_SCRIPT = """
+import hashlib, json, os, sys
+import tilelang
+from tilelang import tvm
+if sys.argv[1] == "load":
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("traced: the index was not used")
+    tilelang.jit = no_tracing
+from flash_gdn.hopper import plan_kernels
+with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+    kernels = [plan_kernels.build_sequence_prefix("int32"), plan_kernels.build_cut_pieces()]
+sources = [k.get_kernel_source() + k.kernel.adapter.get_host_source() for k in kernels]
+index = os.path.join(os.environ["TILELANG_CACHE_DIR"], "flash_gdn-index")
+print(json.dumps(dict(digest=hashlib.sha256("".join(sources).encode()).hexdigest(), entries=len(os.listdir(index)))))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_a_later_process_loads_without_tracing(tmp_path):
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path))
+    env.pop("FLASH_GDN_KERNEL_INDEX", None)
+    results = []
+    for mode in ("build", "load"):
+        out = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, mode], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    built, loaded = results
+    assert built["entries"] == 2 and loaded["entries"] == 2
+    assert loaded["digest"] == built["digest"]  # the same device and host code
