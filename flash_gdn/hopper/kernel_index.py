@@ -14,20 +14,25 @@ TileLang's cache entry with that function (TileLang's own load: its integrity ch
 adapter), a few tens of milliseconds, with no tracing. Every entry is written by the ordinary
 path after a build, so a miss, an unreadable entry or a failed load just takes that path.
 
-Entries live in ``$TILELANG_CACHE_DIR/flash_gdn-index/``, one file each, written atomically.
-An edit to any module of this package changes every entry's name (the sources digest), so an
-index never serves a kernel built from other sources. ``FLASH_GDN_KERNEL_INDEX=0`` turns it off.
+Entries live in ``$TILELANG_CACHE_DIR/flash_gdn-index/<sources digest>/``, one gzip-compressed
+JSON file each (~30 KB), written atomically. An edit to any module of this package changes the
+digest, so an index never serves a kernel built from other sources; the folders of all but the
+``KEPT_SOURCES`` most recent digests are removed when a new one is started. ``FLASH_GDN_KERNEL_INDEX=0``
+turns the index off.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _sources_digest: str | None = None
+KEPT_SOURCES = 4  # index folders (package versions) kept in one cache directory
 
 
 def sources_digest() -> str:
@@ -62,7 +67,7 @@ class IndexEntry:
     def load(self):
         """The indexed kernel from TileLang's disk cache, or None (no entry, or not loadable)."""
         try:
-            with open(self.path) as f:
+            with gzip.open(self.path, "rt") as f:
                 entry = json.load(f)
             key = entry["tilelang_key"]
             # A missing or incomplete cache entry is a plain miss; only a complete one is loaded
@@ -86,13 +91,16 @@ class IndexEntry:
                 return
             from tilelang import tvm
 
-            text = json.dumps({"tilelang_key": key, "func": tvm.ir.save_json(func)})
+            data = gzip.compress(json.dumps({"tilelang_key": key, "func": tvm.ir.save_json(func)}).encode(), 6)
             folder = os.path.dirname(self.path)
-            os.makedirs(folder, exist_ok=True)
+            if not os.path.isdir(folder):
+                os.makedirs(folder, exist_ok=True)
+                _prune(os.path.dirname(folder), keep=folder)
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
             try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.chmod(tmp, 0o644)  # (mkstemp's 0600 would hide it from other users of a shared cache)
                 os.replace(tmp, self.path)  # atomic: a reader sees the old entry or the whole new one
             except BaseException:
                 os.unlink(tmp)
@@ -123,7 +131,19 @@ def entry_for(factory, args: tuple, kwargs: dict, compile_flags: list[str]) -> I
                       sorted((str(k), str(v)) for k, v in pass_configs.items()), tilelang.__version__,
                       sources_digest()))
         name = hashlib.sha256(ident.encode()).hexdigest()[:40]
-        path = os.path.join(str(env.TILELANG_CACHE_DIR), "flash_gdn-index", name + ".json")
+        path = os.path.join(str(env.TILELANG_CACHE_DIR), "flash_gdn-index", sources_digest()[:16], name + ".json.gz")
         return IndexEntry(path, cache, context, pass_configs, list(compile_flags))
     except Exception:
         return None
+
+
+def _prune(root: str, keep: str) -> None:
+    """Remove the index folders under ``root`` of all but the ``KEPT_SOURCES`` most recently
+    modified package versions (``keep``, the current one, always stays)."""
+    try:
+        folders = [os.path.join(root, name) for name in os.listdir(root)]
+        folders = sorted((f for f in folders if os.path.isdir(f) and f != keep), key=os.path.getmtime, reverse=True)
+        for old in folders[KEPT_SOURCES - 1:]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        pass

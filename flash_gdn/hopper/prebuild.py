@@ -133,18 +133,22 @@ def compile_in_workers(builders, key) -> bool:
 
 def autograd_threads_running() -> bool:
     """Whether torch's autograd engine has started its device threads (``pt_autograd_N``; the
-    first backward on a GPU starts them). A child forked after that dies inside ``os.fork()``:
-    the Python states of those threads are cleared in the child, and a CUDA object they held
-    calls into CUDA from its destructor, which a forked child may not (H200, s50:
-    ``c10::AcceleratorError``, then SIGABRT; ``scripts/fork_probe.py``). So the workers are not
-    forked then, and the threads compile."""
+    first backward on a GPU starts them). A child forked after that dies inside ``os.fork()``
+    (H200, s50, ``scripts/fork_probe.py``): a CUDA call made in the child (``c10::cuda::ExchangeDevice``
+    from torch's Python bindings, most likely a destructor of what those threads held, run
+    as the child drops their states) fails, as CUDA does in a forked child, and the uncaught
+    ``c10::AcceleratorError`` aborts it. So the workers are not forked then; the threads compile."""
     try:
-        for tid in os.listdir("/proc/self/task"):
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # (no /proc)
+        return False
+    for tid in tids:
+        try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().startswith("pt_autograd"):
                     return True
-    except OSError:  # (a thread gone between the listing and the read; no /proc)
-        return False
+        except OSError:  # (a thread gone since the listing)
+            continue
     return False
 
 

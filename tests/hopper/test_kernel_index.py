@@ -1,5 +1,6 @@
 """A kernel built once is loaded by later processes from TileLang's cache without tracing."""
 
+import gzip
 import json
 import os
 import shutil
@@ -52,10 +53,22 @@ def test_unreadable_entries_are_misses(tmp_path):
     assert entry.load() is None  # no file
     (tmp_path / "entry.json").write_text("{not json")
     assert entry.load() is None
-    (tmp_path / "entry.json").write_text(json.dumps({"tilelang_key": "0" * 64, "func": "{}"}))
+    (tmp_path / "entry.json").write_bytes(gzip.compress(json.dumps({"tilelang_key": "0" * 64, "func": "{}"}).encode()))
     assert entry.load() is None  # no such cache entry: not even the function is read
     entry.save(object())  # nothing to index: no key, no function
-    assert json.loads((tmp_path / "entry.json").read_text())["tilelang_key"] == "0" * 64
+    assert json.loads(gzip.decompress((tmp_path / "entry.json").read_bytes()))["tilelang_key"] == "0" * 64
+
+
+def test_old_package_versions_are_pruned(tmp_path):
+    from flash_gdn.hopper import kernel_index
+
+    for i in range(6):
+        (tmp_path / f"v{i}").mkdir()
+        os.utime(tmp_path / f"v{i}", (1000 + i, 1000 + i))
+    (tmp_path / "current").mkdir()
+    kernel_index._prune(str(tmp_path), keep=str(tmp_path / "current"))
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["current"] + [f"v{i}" for i in range(6 - kernel_index.KEPT_SOURCES + 1, 6)]
 
 
 # Fresh interpreters with a cache of their own: the first compiles and indexes, the second must
@@ -73,7 +86,8 @@ with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
     kernels = [plan_kernels.build_sequence_prefix("int32"), plan_kernels.build_cut_pieces()]
 sources = [k.get_kernel_source() + k.kernel.adapter.get_host_source() for k in kernels]
 index = os.path.join(os.environ["TILELANG_CACHE_DIR"], "flash_gdn-index")
-print(json.dumps(dict(digest=hashlib.sha256("".join(sources).encode()).hexdigest(), entries=len(os.listdir(index)))))
+entries = sum(len(files) for _, _, files in os.walk(index))
+print(json.dumps(dict(digest=hashlib.sha256("".join(sources).encode()).hexdigest(), entries=entries)))
 """
 
 
