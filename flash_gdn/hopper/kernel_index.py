@@ -129,6 +129,7 @@ def entry_for(factory, args: tuple, kwargs: dict, compile_flags: list[str]) -> I
         ident = repr((factory.__module__, factory.__qualname__, args, sorted(kwargs.items()), compile_flags,
                       str(context.target), str(context.target_host), context.execution_backend.name,
                       sorted((str(k), str(v)) for k, v in pass_configs.items()), tilelang.__version__,
+                      sorted(cache._get_base_key().items()),  # (what TileLang's keys hold besides: its library stamp)
                       sources_digest()))
         name = hashlib.sha256(ident.encode()).hexdigest()[:40]
         path = os.path.join(str(env.TILELANG_CACHE_DIR), "flash_gdn-index", sources_digest()[:16], name + ".json.gz")
