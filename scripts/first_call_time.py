@@ -6,8 +6,9 @@ configuration compiles in under 15 s". Then a second process on the same (now wa
 what a restarted job pays. Modes: ``threads`` (FLASH_GDN_BUILD_WORKERS=0: compiled in the
 calling process's threads) and ``workers`` (the default: forked workers on a cold cache,
 ``hopper.prebuild``); ``threads-noindex`` and ``workers-noindex`` the same without
-``hopper.kernel_index`` (FLASH_GDN_KERNEL_INDEX=0: every kernel traced, as before s50). The child imports torch and flash_gdn before the clock starts; TileLang
-and the kernel modules are imported by the first call, inside its time. ``--infer``: the first
+``hopper.kernel_index`` (FLASH_GDN_KERNEL_INDEX=0: every kernel traced, as before s50). The
+child imports torch and flash_gdn before the clock starts; TileLang and the kernel modules are
+imported by the first call, inside its time. ``--infer``: the first
 call is an inference forward (no autograd); otherwise a training forward, then its backward.
 
     python3 scripts/first_call_time.py [--infer] [--repeat N] [--modes threads,workers] 2/8:1x8192 16/32:8192x4

@@ -165,7 +165,8 @@ def _named_thread(name: bytes, started, stop):
 def test_no_workers_once_autograd_device_threads_run(monkeypatch):
     from flash_gdn.hopper import prebuild
 
-    assert not prebuild.autograd_threads_running()
+    if prebuild.autograd_threads_running():
+        pytest.skip("a backward on the GPU has already started torch's autograd threads in this process")
     started, stop = threading.Event(), threading.Event()
     thread = threading.Thread(target=_named_thread, args=(b"pt_autograd_0", started, stop))
     thread.start()
