@@ -52,7 +52,7 @@ from .context_parallel import backward_segment_chunks_for, num_sms, segment_targ
 from .launch import Launcher
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
-from .prebuild import build_together
+from .prebuild import build_together, start_ahead
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, factors_buffer, flat_inputs,
                          launch_prepare, prepare_buffers, with_bound)
 from .qk_grads import build_qk_grads
@@ -254,6 +254,18 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
     return config
 
 
+def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device) -> None:
+    """At a training forward's first call of a configuration: start compiling the kernels its
+    backward will launch, in forked workers left running (``prebuild.start_ahead``), so that they
+    compile beside the forward's own rather than after it. Predicted as the default backward
+    that follows such a forward: the chunk inverse kept, the states recomputed, no gradient of
+    the final state (with one, ``state_grads`` differs and is compiled at the backward's first
+    call; the rest comes from the cache). Workers cannot be forked from the backward itself: it
+    runs on torch's autograd thread (``prebuild.autograd_threads_running``)."""
+    config = BackwardConfig(problem, dtype, gate_dtype, index_dtype, has_h0, False, {"a_r": None}, dev, build=False)
+    start_ahead(config.builders, config.build_key)
+
+
 class _Kept(NamedTuple):
     """What a backward keeps between calls (``_KEPT``): ``prepare_wu``'s gate and norm factors
     (one ``factors_buffer``; None where the forward saved them), every chunk's start state and
@@ -291,7 +303,7 @@ class BackwardConfig:
     (which of them the forward kept)."""
 
     def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, has_dht: bool, saved: dict,
-                 dev: torch.device):
+                 dev: torch.device, build: bool = True):
         hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
         self.problem, self.dtype, self.gate_dtype, self.dev = problem, dtype, gate_dtype, dev
         self.prepare, self.recompute = "prepared" not in saved, "h" not in saved
@@ -318,8 +330,12 @@ class BackwardConfig:
         key = ("backward", dk, dv, tl_dtype, gate_tl, index_tl, self.prepare, self.outputs, recompute, cp, has_h0,
                has_dht, block_v, self.roles)
         plan_builders = [lambda: build_sequence_prefix(index_tl), build_cut_pieces] if self.prepare and index_tl else []
-        build_together(key, lambda: [b for b in builders if b is not None] + plan_builders)
-        self.kernels = BackwardKernels(*(None if build is None else build() for build in builders))
+        self.build_key = key
+        self.builders = [b for b in builders if b is not None] + plan_builders
+        if not build:  # (``compile_ahead``: the decisions and the builders only)
+            return
+        build_together(key, lambda: self.builders)
+        self.kernels = BackwardKernels(*(None if b is None else b() for b in builders))
 
     def kept_buffers(self, plan, keep: bool, capture: bool) -> _Kept | None:
         """The buffers this call takes from ``_KEPT`` (this configuration, stream and thread): the

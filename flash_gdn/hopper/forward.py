@@ -255,6 +255,10 @@ class DefaultForward:
         self.rule = tuple(segments) if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
         self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS  # (the workspace's: A_r is per call)
         self.keep_inverse = keep_inverse
+        if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
+            from .backward import compile_ahead
+
+            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev)
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,

@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 _built: set = set()
 _lock = threading.RLock()  # also held by build_all: no fork while another thread compiles
@@ -56,7 +57,11 @@ def build_all(builders, key) -> list:
     (``compile_in_workers``), then built (loaded) by threads in this process; results in order."""
     builders = list(builders)
     with _lock:
-        compile_in_workers(builders, key)
+        ahead = _ahead.pop(key, None)
+        if ahead is not None:  # started by ``start_ahead``: what they have not compiled yet, they will
+            _finish(*ahead)
+        else:
+            compile_in_workers(builders, key)
         return run_concurrently(builders)
 
 
@@ -98,14 +103,54 @@ def compile_in_workers(builders, key) -> bool:
     Returns whether workers ran. A worker's failure raises nothing here: the caller's own
     builds then compile what is missing and raise its error. Not once a backward has run on a
     GPU in this process (``autograd_threads_running``)."""
-    if len(builders) < 2 or not workers_opted() or autograd_threads_running():
+    if len(builders) < 2:
         return False
+    started = _fork_workers(builders, key)
+    if started is None:
+        return False
+    _finish(*started)
+    return True
+
+
+class _Started(NamedTuple):
+    """Workers forked for a configuration: their pids, when they are to be stopped, the marker
+    to write once all of them have exited cleanly."""
+
+    pids: list
+    deadline: float
+    marker: str
+
+
+# Workers started ahead of a configuration's first call (``start_ahead``), not waited for yet.
+_ahead: dict = {}
+
+
+def start_ahead(builders, key) -> bool:
+    """Fork workers compiling the builders' kernels for ``key`` (as ``compile_in_workers``, one
+    kernel a worker up to one per CPU) and return at once; the first ``build_all`` for ``key``
+    waits for them, then loads. The forward of a training step starts its backward's kernels
+    this way, so that they compile beside its own. Whether workers were started."""
+    builders = list(builders)
+    with _lock:
+        if key in _built or key in _ahead or not builders:
+            return False
+        started = _fork_workers(builders, key)
+        if started is None:
+            return False
+        _ahead[key] = started
+        return True
+
+
+def _fork_workers(builders, key) -> _Started | None:
+    """Fork the workers for ``key`` where allowed and its cache is cold; None where not."""
+    if not workers_opted() or autograd_threads_running():
+        return None
     target = _resolved_target()
     if target is None:
-        return False
+        return None
     marker = _marker_path(key, target)
     if marker is None or os.path.exists(marker):
-        return False
+        return None
     workers = min(len(builders), _cap())
     pids = []
     with warnings.catch_warnings():
@@ -120,15 +165,19 @@ def compile_in_workers(builders, key) -> bool:
                 finally:
                     os._exit(code)
             pids.append(pid)
-    ok = _wait_for(pids, WORKER_SECONDS_FIXED + WORKER_SECONDS_PER_KERNEL * -(-len(builders) // workers))
-    if ok:
+    seconds = WORKER_SECONDS_FIXED + WORKER_SECONDS_PER_KERNEL * -(-len(builders) // workers)
+    return _Started(pids, time.monotonic() + seconds, marker)
+
+
+def _finish(pids, deadline: float, marker: str) -> None:
+    """Wait for the workers until ``deadline`` (then kill what is left); the marker if all exited 0."""
+    if _wait_for(pids, max(0.0, deadline - time.monotonic())):
         try:
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             with open(marker, "w"):
                 pass
         except OSError:
             pass
-    return True
 
 
 def autograd_threads_running() -> bool:
@@ -164,15 +213,23 @@ def _wait_for(pids, seconds: float) -> bool:
     ok, left = True, list(pids)
     while left:
         for pid in list(left):
-            done, status = os.waitpid(pid, os.WNOHANG)
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else (a caller's os.wait): its status is lost
+                left.remove(pid)
+                ok = False
+                continue
             if done:
                 left.remove(pid)
                 ok = ok and os.waitstatus_to_exitcode(status) == 0
         if left:
             if time.monotonic() > deadline:
                 for pid in left:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                    except (ChildProcessError, ProcessLookupError):
+                        pass
                 return False
             time.sleep(0.02)
     return ok

@@ -180,4 +180,82 @@ def test_no_workers_once_autograd_device_threads_run(monkeypatch):
     finally:
         stop.set()
         thread.join()
+    import time
+
+    deadline = time.monotonic() + 10  # (a joined thread's task may linger in /proc a moment while it exits)
+    while prebuild.autograd_threads_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not prebuild.autograd_threads_running()
+
+
+def test_build_all_waits_for_workers_started_ahead(monkeypatch, tmp_path):
+    from flash_gdn.hopper import prebuild
+
+    pids = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        pids.append(pid)
+    marker = tmp_path / "built" / "marker"
+    key = ("started ahead",)
+    monkeypatch.setitem(prebuild._ahead, key, prebuild._Started(pids, float("inf"), str(marker)))
+
+    def no_second_fork(builders, key):
+        raise AssertionError("workers forked again for a configuration started ahead")
+
+    monkeypatch.setattr(prebuild, "compile_in_workers", no_second_fork)
+    assert prebuild.build_all([lambda: 1, lambda: 2], key) == [1, 2]
+    assert key not in prebuild._ahead and marker.exists()  # waited for (and reaped), the cache marked warm
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pids[0], os.WNOHANG)
+
+
+def test_nothing_started_ahead_when_built_already_or_switched_off(monkeypatch):
+    from flash_gdn.hopper import prebuild
+
+    monkeypatch.setattr(prebuild, "_built", {("done",)})
+    assert not prebuild.start_ahead([lambda: None], ("done",))
+    monkeypatch.setenv("FLASH_GDN_BUILD_WORKERS", "0")
+    assert not prebuild.start_ahead([lambda: None], ("new",))
+    assert ("new",) not in prebuild._ahead
+
+
+AHEAD_SCRIPT = """
+import json, os
+import tilelang
+from tilelang import tvm
+from flash_gdn.hopper import plan_kernels, prebuild
+
+def builders():
+    return [lambda: plan_kernels.build_sequence_prefix("int64"), plan_kernels.build_cut_pieces]
+
+def no_tracing(*args, **kwargs):
+    raise AssertionError("compiled in the caller: the workers' kernels were not found")
+
+key = ("test-ahead",)
+with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+    started = prebuild.start_ahead(builders(), key)  # returns at once
+    pending = key in prebuild._ahead
+    tilelang.jit = no_tracing  # (the workers are forked already: only this process is affected)
+    kernels = prebuild.build_all(builders(), key)  # waits for those workers, then loads what they wrote
+    marker = os.listdir(os.path.join(os.environ["TILELANG_CACHE_DIR"], "flash_gdn-built"))
+    print(json.dumps(dict(started=started, pending=pending, left=key in prebuild._ahead, marker=marker,
+                          sources=all("__global__" in k.get_kernel_source() for k in kernels))))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_workers_started_ahead_fill_the_cache(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path), FLASH_GDN_BUILD_THREADS="2")
+    env.pop("FLASH_GDN_BUILD_WORKERS", None)
+    out = subprocess.run([sys.executable, "-c", AHEAD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["started"] and r["pending"] and not r["left"] and r["marker"]
+    assert r["sources"]  # loaded from what the workers compiled (this process could not compile)

@@ -184,3 +184,27 @@ def test_backward_decisions_are_kept_per_configuration(recorder):
     assert recorder.launched <= recorder.built, recorder.launched - recorder.built
     flash_gdn.release_workspaces()
     assert not backward._CONFIGS and not backward._KEPT
+
+
+@pytest.mark.parametrize("lengths, hqk, hv", BACKWARD_ROWS)
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_a_training_forward_starts_its_backwards_kernels(recorder, monkeypatch, lengths, hqk, hv, with_h0):
+    """The configuration a training forward's first call starts compiling ahead (``compile_ahead``)
+    is the one its backward (no dht) then builds, with the same kernels; an inference forward
+    starts none."""
+    from flash_gdn.hopper import backward, forward
+
+    started = []
+    monkeypatch.setattr(backward, "start_ahead", lambda builders, key: started.append((key, len(builders))))
+    forward.release_workspaces()
+    backward.release_configs()
+    q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
+    h0 = torch.zeros(len(lengths), hv, 128, 128) if with_h0 else None
+    forward.hopper_forward(q, k, v, g, beta, problem, h0, False, False, cu, False)
+    assert not started
+    _, _, extras = forward.hopper_forward(q, k, v, g, beta, problem, h0, False, False, cu, False, for_backward=True)
+    forward.hopper_forward(q, k, v, g, beta, problem, h0, False, False, cu, False, for_backward=True)
+    assert len(started) == 1  # (the configuration's first call only)
+    backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, h0, False, cu, extras)
+    (config,) = backward._CONFIGS.values()
+    assert started == [(config.build_key, len(config.builders))]
