@@ -261,7 +261,13 @@ def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool
     that follows such a forward: the chunk inverse kept, the states recomputed, no gradient of
     the final state (with one, ``state_grads`` differs and is compiled at the backward's first
     call; the rest comes from the cache). Workers cannot be forked from the backward itself: it
-    runs on torch's autograd thread (``prebuild.autograd_threads_running``)."""
+    runs on torch's autograd thread (``prebuild.autograd_threads_running``).
+
+    Opt-in for now (``FLASH_GDN_COMPILE_AHEAD=1``): built and tested on a CPU in s50, when no
+    device time was left to measure on a GPU host what it takes off a first training step and
+    what the extra workers add to the forward's own first call."""
+    if env_get("FLASH_GDN_COMPILE_AHEAD", "0") != "1":
+        return
     config = BackwardConfig(problem, dtype, gate_dtype, index_dtype, has_h0, False, {"a_r": None}, dev, build=False)
     start_ahead(config.builders, config.build_key)
 
