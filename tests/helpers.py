@@ -47,3 +47,22 @@ def random_cu_seqlens(lengths, device="cpu", dtype=torch.int64):
     for n in lengths:
         cu.append(cu[-1] + n)
     return torch.tensor(cu, dtype=dtype, device=device)
+
+
+def run_fresh_interpreter(script: str, cache_dir, *args: str, **env_vars: str) -> dict:
+    """Run ``script`` in a new Python process with TileLang's cache at ``cache_dir`` (and the
+    compile-worker and kernel-index switches at their defaults unless given) and return the
+    JSON object it prints last. A fresh interpreter: TileLang's in-memory caches in this one
+    (kernels built by earlier tests) would hide what the disk cache and the index hold."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(cache_dir))
+    for name in ("FLASH_GDN_BUILD_WORKERS", "FLASH_GDN_KERNEL_INDEX"):
+        env.pop(name, None)
+    env.update(env_vars)
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

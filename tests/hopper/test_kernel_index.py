@@ -4,10 +4,10 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers import run_fresh_interpreter
 
 pytest.importorskip("tilelang")
 
@@ -94,14 +94,6 @@ print(json.dumps(dict(digest=hashlib.sha256("".join(sources).encode()).hexdigest
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_a_later_process_loads_without_tracing(tmp_path):
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path))
-    env.pop("FLASH_GDN_KERNEL_INDEX", None)
-    results = []
-    for mode in ("build", "load"):
-        out = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, mode], env=env, capture_output=True, text=True,
-                             timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    built, loaded = results
+    built, loaded = (run_fresh_interpreter(BUILD_SCRIPT, tmp_path, mode) for mode in ("build", "load"))
     assert built["entries"] == 2 and loaded["entries"] == 2
     assert loaded["digest"] == built["digest"]  # the same device and host code

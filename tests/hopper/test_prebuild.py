@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from tests.helpers import run_fresh_interpreter
+
 pytest.importorskip("tilelang")
 
 
@@ -107,15 +109,7 @@ with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_forked_workers_fill_the_cache_the_threads_then_load(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path), FLASH_GDN_BUILD_THREADS="2")
-    env.pop("FLASH_GDN_BUILD_WORKERS", None)
-    out = subprocess.run([sys.executable, "-c", WORKERS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_fresh_interpreter(WORKERS_SCRIPT, tmp_path, FLASH_GDN_BUILD_THREADS="2")
     assert r["ran"] and len(r["by_workers"]) >= 2 and r["marker"]  # the workers' kernels and the marker
     # The same keys: the threads loaded the workers' kernels rather than compiling their own
     # (a target string that differed from the caller's would give new keys, s49).
@@ -248,14 +242,6 @@ with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_workers_started_ahead_fill_the_cache(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path), FLASH_GDN_BUILD_THREADS="2")
-    env.pop("FLASH_GDN_BUILD_WORKERS", None)
-    out = subprocess.run([sys.executable, "-c", AHEAD_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_fresh_interpreter(AHEAD_SCRIPT, tmp_path, FLASH_GDN_BUILD_THREADS="2")
     assert r["started"] and r["pending"] and not r["left"] and r["marker"]
     assert r["sources"]  # loaded from what the workers compiled (this process could not compile)
