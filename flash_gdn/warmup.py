@@ -33,7 +33,7 @@ def release_workspaces() -> None:
     """Free the intermediate buffers the Hopper forward and backward keep for repeat calls.
 
     A forward call small enough for its host time to matter keeps its intermediates (A_g,
-    gamma, the inverse norms, the CP transitions and segment states; at most 64 MiB a call
+    gamma, the inverse norms, the CP transitions and segment states; at most 128 MiB a call
     and 256 MiB in all) for the next call with the same shapes, dtypes, stream and thread
     (``hopper.forward.DefaultForward``); a backward call keeps its own (the chunk states, their
     gradients, dV_new and the rest it does not return; at most 128 MiB a call and 256 MiB in

@@ -10,7 +10,10 @@ for the first row.
 
 ``--train``: a training step (forward, then ``torch.autograd.grad``), with the same step of a
 one-kernel autograd Function for scale (what autograd itself costs on this host). ``--backward``:
-the low-level backward (``chunk_gated_delta_rule_bwd``) of one saved forward.
+the low-level backward (``chunk_gated_delta_rule_bwd``) of one saved forward. ``--api``: for every
+row, the CUDA runtime and driver calls one call makes (torch.profiler, 20 calls: count and host
+microseconds per call), which shows a synchronising call (a malloc or free that misses the
+allocator's cache, a copy, a stream or event synchronisation) where host time tracks kernel time.
 """
 
 import cProfile
@@ -75,8 +78,24 @@ def host_and_eager_us(call, batches: int = 40, per_batch: int = 10) -> tuple[flo
     return issue[best], wall[best], sorted(issue)[batches // 2]
 
 
+def cuda_api_calls(call, calls: int = 20) -> list[tuple[str, float, float]]:
+    """(name, count per call, host us per call) of the CUDA runtime / driver calls in ``calls``
+    calls (torch.profiler's CUDA activity), most time first."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count / calls, e.cpu_time_total / calls) for e in prof.key_averages()
+            if e.key.startswith("cu") and e.key != "cudaDeviceSynchronize"]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def main(argv):
     profile_first = "--profile" in argv
+    api = "--api" in argv
     mode = "train" if "--train" in argv else "backward" if "--backward" in argv else "forward"
     specs = [a for a in argv if not a.startswith("--")] or ["2/8:1x2048", "16/16:1x2048", "8/32:1024x8"]
     print(f"{mode}: {'row':<16} {'host us':>8} {'median':>7} {'eager us':>9} {'kernel us':>10} {'eager-kernel':>13}")
@@ -88,6 +107,8 @@ def main(argv):
         host, eager, median = host_and_eager_us(call)
         kernel = kernel_time_ms(call, 20) * 1e3
         print(f"{spec:<16} {host:8.1f} {median:7.1f} {eager:9.1f} {kernel:10.1f} {eager - kernel:13.1f}", flush=True)
+        if api:
+            print("    " + "; ".join(f"{name} x{n:g} {us:.1f} us" for name, n, us in cuda_api_calls(call)), flush=True)
         if profile_first and i == 0:
             prof = cProfile.Profile()
             prof.enable()

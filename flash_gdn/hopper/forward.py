@@ -190,7 +190,10 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
 _CALLS: dict[tuple, "DefaultForward"] = {}
 _CALLS_LOCK = threading.Lock()
 CALLS_KEPT = 16
-KEPT_WORKSPACE_BYTES = 64 << 20  # a call's intermediates are kept only up to this size ...
+# s51: 128 MiB (was 64) keeps the CP workspace of rows such as 16/32 x 1x8192 (64.3 MiB) and 16/48 x
+# 1x8192 (104 MiB), whose allocation and carving (six allocations, ten views) took ~90 us of host
+# time a call on the H200 host: those rows were host-bound in eager calls (docs/performance.md s51).
+KEPT_WORKSPACE_BYTES = 128 << 20  # a call's intermediates are kept only up to this size ...
 KEPT_WORKSPACE_TOTAL = 256 << 20  # ... and all kept ones up to this (oldest dropped first)
 
 

@@ -99,11 +99,12 @@ def test_capture_uses_its_own_buffers_and_eager_calls_between_replays_stay_exact
 def test_large_intermediates_are_not_kept_and_release_frees_kept_ones(monkeypatch):
     shape = dict(hqk=2, hv=8, d=128, t=sum(VARLEN), n=3)
     cu = random_cu_seqlens(VARLEN, device="cuda")
+    default = forward.KEPT_WORKSPACE_BYTES
     monkeypatch.setattr(forward, "KEPT_WORKSPACE_BYTES", 1 << 10)
     _call(_inputs(**shape), cu)
     _call(_inputs(**shape), cu)
     assert len(forward._CALLS) == 1 and not _kept_workspaces()
-    monkeypatch.setattr(forward, "KEPT_WORKSPACE_BYTES", 64 << 20)
+    monkeypatch.setattr(forward, "KEPT_WORKSPACE_BYTES", default)
     forward.release_workspaces()
     _call(_inputs(**shape), cu)
     assert len(_kept_workspaces()) == 1

@@ -196,7 +196,7 @@ def test_a_training_forward_starts_its_backwards_kernels(recorder, monkeypatch, 
 
     started = []
     monkeypatch.setattr(backward, "start_ahead", lambda builders, key: started.append((key, len(builders))))
-    monkeypatch.setenv("FLASH_GDN_COMPILE_AHEAD", "1")
+    monkeypatch.delenv("FLASH_GDN_COMPILE_AHEAD", raising=False)  # (on by default)
     forward.release_workspaces()
     backward.release_configs()
     q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
@@ -209,7 +209,7 @@ def test_a_training_forward_starts_its_backwards_kernels(recorder, monkeypatch, 
     backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, h0, False, cu, extras)
     (config,) = backward._CONFIGS.values()
     assert started == [(config.build_key, len(config.builders))]
-    monkeypatch.setenv("FLASH_GDN_COMPILE_AHEAD", "0")  # (the switch, off by default for now)
+    monkeypatch.setenv("FLASH_GDN_COMPILE_AHEAD", "0")  # (the switch)
     forward.release_workspaces()
     forward.hopper_forward(q, k, v, g, beta, problem, h0, False, False, cu, False, for_backward=True)
     assert len(started) == 1
