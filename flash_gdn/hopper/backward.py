@@ -264,8 +264,8 @@ def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool
     runs on torch's autograd thread (``prebuild.autograd_threads_running``).
 
     On by default since s51 (``FLASH_GDN_COMPILE_AHEAD=0`` turns it off): on the H200 host, a cold
-    first training step of 16/32 x 8192x4 took 29.9 and 31.4 s with it against 45.1 and 47.9 s
-    without (the forward's own first call 0.3-1.3 s longer, its backward's 15 s shorter;
+    first training step of 16/32 x 8192x4 took 29.5 and 30.4 s with it against 45.1 and 47.9 s
+    without (the forward's own first call 0.3-1.3 s longer, its backward's 16-19 s shorter;
     docs/performance.md s51). Where no backward follows, the workers compile for nothing, off
     the caller's thread."""
     if env_get("FLASH_GDN_COMPILE_AHEAD", "1") == "0":
