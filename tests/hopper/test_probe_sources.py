@@ -62,3 +62,26 @@ def test_state_grads_probe_compiles(block_v):
     producer_clocks = 5 if has_loader(block_v) else 7
     assert source.count("clock64") == producer_clocks + 9 * state_warpgroups(block_v)
     assert source.count(f"__sync_thread_partial({STATE_GRADS_PROBE.PROBE_BARRIER}, 256)") == 2
+
+
+def test_sass_report_splits_the_code_at_each_role_s_register_count():
+    """``scripts/sass_report.py`` reads each warpgroup role as the code between two USETMAXREG
+    instructions, and counts what the analysis of a role's chunk step reads (docs/performance.md s51)."""
+    sass = "\n".join([
+        "        /*0000*/                   S2R R0, SR_TID.X ;",
+        "        /*0010*/                   STL [R1], R0 ;",
+        "        /*0020*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0 ;",
+        "        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;",
+        "        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0xc, 0x100 ;",
+        ".L_x_1:",
+        "        /*0050*/                   USETMAXREG.DEALLOC.CTAPOOL 0x78 ;",
+        "        /*0060*/                   MUFU.EX2 R4, R4 ;",
+        "        /*0070*/                   LDL R5, [R1] ;",
+        "        /*0080*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR4], RZ ;",
+    ])
+    regions = _script("sass_report").role_regions(sass)
+    assert [r["setmaxnreg"] for r in regions] == [None, 192, 120]
+    assert [r["instructions"] for r in regions] == [2, 3, 4]
+    assert [r["spill"] for r in regions] == [1, 0, 1]
+    assert regions[1]["HGMMA"] == 1 and regions[1]["BAR.SYNC"] == 1
+    assert regions[2]["MUFU.EX2"] == 1 and regions[2]["SYNCS"] == 1
