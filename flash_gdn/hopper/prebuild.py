@@ -123,6 +123,10 @@ class _Started(NamedTuple):
 
 # Workers started ahead of a configuration's first call (``start_ahead``), not waited for yet.
 _ahead: dict = {}
+# Keys ``start_ahead`` has decided on, workers started or not: a key is decided once. (A training
+# forward calls it for every new shape; where the cache is warm, deciding again resolved TileLang's
+# target and hashed the marker's name each time: ~1 ms of host time a call on a CPU host, s51.)
+_ahead_decided: set = set()
 
 
 def start_ahead(builders, key) -> bool:
@@ -130,9 +134,12 @@ def start_ahead(builders, key) -> bool:
     kernel a worker up to one per CPU) and return at once; the first ``build_all`` for ``key``
     waits for them, then loads. The forward of a training step starts its backward's kernels
     this way, so that they compile beside its own. Whether workers were started."""
-    builders = list(builders)
     with _lock:
-        if key in _built or key in _ahead or not builders:
+        if key in _built or key in _ahead_decided:
+            return False
+        _ahead_decided.add(key)
+        builders = list(builders)
+        if not builders:
             return False
         started = _fork_workers(builders, key)
         if started is None:

@@ -208,11 +208,29 @@ def test_build_all_waits_for_workers_started_ahead(monkeypatch, tmp_path):
 def test_nothing_started_ahead_when_built_already_or_switched_off(monkeypatch):
     from flash_gdn.hopper import prebuild
 
+    monkeypatch.setattr(prebuild, "_ahead_decided", set())
     monkeypatch.setattr(prebuild, "_built", {("done",)})
     assert not prebuild.start_ahead([lambda: None], ("done",))
     monkeypatch.setenv("FLASH_GDN_BUILD_WORKERS", "0")
     assert not prebuild.start_ahead([lambda: None], ("new",))
     assert ("new",) not in prebuild._ahead
+
+
+def test_a_key_is_decided_ahead_once(monkeypatch):
+    """A training forward asks ``start_ahead`` at every new shape; after the first answer for a
+    backward configuration (here: a warm cache, nothing to start) later calls return at once,
+    without resolving TileLang's target or looking for the cache marker again (s51: ~1 ms of host
+    time a call)."""
+    from flash_gdn.hopper import prebuild
+
+    monkeypatch.setattr(prebuild, "_ahead_decided", set())
+    monkeypatch.setattr(prebuild, "_built", set())
+    forks = []
+    monkeypatch.setattr(prebuild, "_fork_workers", lambda builders, key: forks.append(key))
+    assert not prebuild.start_ahead([lambda: None], ("warm",))
+    assert not prebuild.start_ahead([lambda: None], ("warm",))
+    assert not prebuild.start_ahead([lambda: None], ("other",))
+    assert forks == [("warm",), ("other",)]
 
 
 AHEAD_SCRIPT = """
