@@ -7,7 +7,11 @@ synchronisation: when ``cu_seqlens`` lives on the CPU, or when the caller asks f
 Every other rule reads only the arguments' types, shapes, dtypes and devices (and the scale),
 so a call whose metadata equals that of a call that passed gets that call's ``Problem``
 without running the rules again (``check_inputs``; host time is what eager calls of short
-rows are made of: the full checks cost ~30 us a call on a slow host, the lookup ~5).
+rows are made of: the full checks cost ~30 us a call on a slow host, the lookup ~5). A call
+that differs from one that passed only in its token count T and sequence count N (serving and
+varlen training: both change from call to call) is answered from a second memo, keyed without
+them, after the few rules that read them (the five T agree, N >= 1, the initial state has N
+rows).
 """
 
 from __future__ import annotations
@@ -107,12 +111,48 @@ def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first
         return None
 
 
+# The same without T and N -> a Problem of one call that passed with them (``_any_length_key``).
+_PASSED_ANY_LENGTH: dict[tuple, Problem] = {}
+
+
+def _without_dim1(x) -> tuple:
+    return (type(x), x.shape[:1] + x.shape[2:], x.dtype, x.device)
+
+
+def _any_length_key(key: tuple, q, k, v, g, beta, initial_state, cu_seqlens) -> tuple | None:
+    """``key`` (a ``_signature``) without T (dim 1 of q, k, v, g, beta) and N (cu_seqlens'
+    length, the initial state's first dim); None where one of these is not there to drop."""
+    try:
+        return (_without_dim1(q), _without_dim1(k), _without_dim1(v), _without_dim1(g), _without_dim1(beta), *key[5:7],
+                None if initial_state is None else (type(initial_state), initial_state.shape[1:], initial_state.dtype,
+                                                    initial_state.device),
+                None if cu_seqlens is None else (type(cu_seqlens), cu_seqlens.dim(), cu_seqlens.dtype,
+                                                 cu_seqlens.device),
+                key[9])
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _from_any_length(template: Problem, q, k, v, g, beta, initial_state, cu_seqlens) -> Problem | None:
+    """``template``'s Problem with this call's T and N, if the rules that read them hold (else
+    None: the full rules run and name what is wrong)."""
+    seq_len = q.shape[1]
+    if not (k.shape[1] == seq_len and v.shape[1] == seq_len and g.shape[1] == seq_len and beta.shape[1] == seq_len):
+        return None
+    num_seqs = template.batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if num_seqs < 1 or (initial_state is not None and initial_state.shape[0] != num_seqs):
+        return None
+    return Problem(template.batch, seq_len, template.num_qk_heads, template.num_v_heads, template.head_k,
+                   template.head_v, num_seqs, template.scale)
+
+
 def check_inputs(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first: bool, validate_cu_seqlens: bool | None = None
 ) -> Problem:
     """Check every argument of the forward call and return the problem sizes (the rules run
     once per distinct metadata, see the module docstring)."""
     key = _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, validate_cu_seqlens)
+    problem = any_length = None
     if key is not None:
         try:
             problem = _PASSED.get(key)
@@ -120,11 +160,21 @@ def check_inputs(
             problem = key = None
         if problem is not None:
             return problem
-    problem = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, validate_cu_seqlens)
+    if key is not None:
+        any_length = _any_length_key(key, q, k, v, g, beta, initial_state, cu_seqlens)
+        template = None if any_length is None else _PASSED_ANY_LENGTH.get(any_length)
+        problem = None if template is None else _from_any_length(template, q, k, v, g, beta, initial_state,
+                                                                 cu_seqlens)
+    if problem is None:
+        problem = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
+                                validate_cu_seqlens)
     if key is not None:
         if len(_PASSED) >= _PASSED_LIMIT:
             _PASSED.clear()
+            _PASSED_ANY_LENGTH.clear()
         _PASSED[key] = problem
+        if any_length is not None:
+            _PASSED_ANY_LENGTH[any_length] = problem
     return problem
 
 

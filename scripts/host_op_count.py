@@ -5,8 +5,12 @@ no-ops, so what is counted is our Python glue (validation, planning, the CP scan
 operator listed is roughly one extra kernel launch and 5-10 us of host time on a GPU host.
 
     python3 scripts/host_op_count.py [--where] 2/8:1x2048 4/16:28672+4096 16/64:8192x4   # forward, then backward
+    python3 scripts/host_op_count.py --new-shapes [--profile] 2/8:4096+2048   # a new total length every call
 
-``--where`` lists each operator with the flash_gdn line that dispatched it.
+``--where`` lists each operator with the flash_gdn line that dispatched it. ``--new-shapes``
+times calls whose packed length changes every call (serving, varlen training: every such call
+misses the per-shape caches), forward and training forward, against repeat calls; ``--profile``
+adds cProfile's top functions of the new-shape calls.
 """
 
 import collections
@@ -49,7 +53,8 @@ def stub(*_args, **_kw):
     return lambda *a, **k: None
 
 
-def main(specs, backward_too=True, where=False):
+def stub_kernels():
+    """Start the patches that stand the meta device in for a GPU (kernels no-ops)."""
     patches = [mock.patch.object(backward, "CONCURRENT_CHUNK_STATES", False),  # no CUDA streams on meta
                mock.patch.object(dispatch, "hopper_forward_supports", lambda q, p: (True, "stub")),
                mock.patch.object(context_parallel, "num_sms", lambda i: 132),
@@ -59,7 +64,6 @@ def main(specs, backward_too=True, where=False):
         for name in dir(mod):
             if name.startswith("build_"):
                 patches.append(mock.patch.object(mod, name, stub))
-    dev = torch.device("meta")
     import flash_gdn.planning as planning
     # The meta device stands in for CUDA: take the device-planning path.
     patches.append(mock.patch.object(backward, "num_sms", lambda i: 132))
@@ -73,15 +77,59 @@ def main(specs, backward_too=True, where=False):
                 mock.patch.object(backward, "plan_for", meta_plan)]
     for p in patches:
         p.start()
+
+
+def meta_inputs(hqk: int, hv: int, lengths):
+    """q (also k), v, g (also beta) and cu_seqlens on the meta device for packed ``lengths``."""
+    dev = torch.device("meta")
+    t = sum(lengths)
+    q = torch.empty(1, t, hqk, 128, device=dev, dtype=torch.bfloat16)
+    v = torch.empty(1, t, hv, 128, device=dev, dtype=torch.bfloat16)
+    g = torch.empty(1, t, hv, device=dev)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist())).to(dev)
+    return q, v, g, cu
+
+
+def new_shapes(specs, profile=False, calls=40):
+    """Host time of calls whose packed length changes every call (each a new key for the
+    forward's caches), inference and training forward, against repeat calls of one length."""
+    import cProfile
+    import pstats
+
     for spec in specs:
         heads, seqlens = spec.split(":")
         hqk, hv = (int(x) for x in heads.split("/"))
         lengths = parse_lengths(seqlens)
-        t = sum(lengths)
-        q = torch.empty(1, t, hqk, 128, device=dev, dtype=torch.bfloat16)
-        v = torch.empty(1, t, hv, 128, device=dev, dtype=torch.bfloat16)
-        g = torch.empty(1, t, hv, device=dev)
-        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist())).to(dev)
+        for label, fwd in (("inference", api.chunk_gated_delta_rule),
+                           ("training fwd", api.chunk_gated_delta_rule_fwd)):
+            inputs = [meta_inputs(hqk, hv, [lengths[0] + 7 * i, *lengths[1:]]) for i in range(calls + 1)]
+            q, v, g, cu = inputs[0]
+            fwd(q, q, v, g, g, cu_seqlens=cu)  # (first-use work: the kernels' lookup, the imports)
+            prof = cProfile.Profile() if profile else None
+            t0 = time.perf_counter()
+            if prof:
+                prof.enable()
+            for q, v, g, cu in inputs[1:]:
+                fwd(q, q, v, g, g, cu_seqlens=cu)
+            if prof:
+                prof.disable()
+            new = (time.perf_counter() - t0) / calls * 1e6
+            q, v, g, cu = inputs[-1]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fwd(q, q, v, g, g, cu_seqlens=cu)
+            repeat = (time.perf_counter() - t0) / calls * 1e6
+            print(f"{spec} {label}: new length each call {new:.0f} us host, repeat call {repeat:.0f} us (meta)")
+            if prof:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def main(specs, backward_too=True, where=False):
+    dev = torch.device("meta")
+    for spec in specs:
+        heads, seqlens = spec.split(":")
+        hqk, hv = (int(x) for x in heads.split("/"))
+        q, v, g, cu = meta_inputs(hqk, hv, parse_lengths(seqlens))
         call = lambda: api.chunk_gated_delta_rule_fwd(q, q, v, g, g, cu_seqlens=cu)  # noqa: E731
         call()
         with Count(where) as c:
@@ -103,5 +151,9 @@ def main(specs, backward_too=True, where=False):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--where"]
-    main(args or ["2/8:1x2048", "4/16:28672+4096", "16/64:8192x4"], where="--where" in sys.argv)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    stub_kernels()
+    if "--new-shapes" in sys.argv:
+        new_shapes(args or ["2/8:4096+2048", "16/32:4096+4096"], profile="--profile" in sys.argv)
+    else:
+        main(args or ["2/8:1x2048", "4/16:28672+4096", "16/64:8192x4"], where="--where" in sys.argv)

@@ -14,6 +14,9 @@ the low-level backward (``chunk_gated_delta_rule_bwd``) of one saved forward. ``
 row, the CUDA runtime and driver calls one call makes (torch.profiler, 20 calls: count and host
 microseconds per call), which shows a synchronising call (a malloc or free that misses the
 allocator's cache, a copy, a stream or event synchronisation) where host time tracks kernel time.
+``--new-lengths``: inference calls whose first sequence is 7 tokens longer each call (60 lengths in
+turn, each with its own cu_seqlens tensor), so that every call misses the per-shape caches, as
+in serving, where the packed length changes from call to call.
 """
 
 import cProfile
@@ -42,7 +45,31 @@ class _OneKernel(torch.autograd.Function):
         return None, None, do * 2, None, None
 
 
+def new_lengths_call(spec: str, variants: int = 60):
+    """An inference call that cycles through ``variants`` packed lengths (the row's, its first
+    sequence 7 tokens longer each time), each a new tensor of offsets."""
+    heads, seqlens = spec.split(":")
+    x = row_inputs(f"{heads}:{seqlens}")
+    cu = x.pop("cu_seqlens")
+    longest = row_inputs(f"{heads}:{int(cu[1]) + 7 * variants}+{int(cu[-1] - cu[1])}")
+    calls = []
+    for i in range(variants):
+        offsets = cu.clone()
+        offsets[1:] += 7 * i
+        t = int(offsets[-1])
+        calls.append(dict({name: longest[name][:, :t] for name in ("q", "k", "v", "g", "beta")}, cu_seqlens=offsets))
+    state = [0]
+
+    def call():
+        state[0] = (state[0] + 1) % variants
+        with torch.no_grad():
+            return chunk_gated_delta_rule(**calls[state[0]])
+    return call
+
+
 def row_call(spec: str, mode: str):
+    if mode == "new_lengths":
+        return new_lengths_call(spec)
     x = row_inputs(spec)
     do = torch.randn_like(x["v"])
     if mode == "backward":
@@ -96,7 +123,8 @@ def cuda_api_calls(call, calls: int = 20) -> list[tuple[str, float, float]]:
 def main(argv):
     profile_first = "--profile" in argv
     api = "--api" in argv
-    mode = "train" if "--train" in argv else "backward" if "--backward" in argv else "forward"
+    mode = ("train" if "--train" in argv else "backward" if "--backward" in argv
+            else "new_lengths" if "--new-lengths" in argv else "forward")
     specs = [a for a in argv if not a.startswith("--")] or ["2/8:1x2048", "16/16:1x2048", "8/32:1024x8"]
     print(f"{mode}: {'row':<16} {'host us':>8} {'median':>7} {'eager us':>9} {'kernel us':>10} {'eager-kernel':>13}")
     # (label, spec, mode): the rows, then for a training step the one-kernel baseline on the first

@@ -237,6 +237,7 @@ class _Workspace(NamedTuple):
     trunc_flags: torch.Tensor | None
     seg_states: torch.Tensor | None
     final_scratch: torch.Tensor | None
+    nbytes: int = 0  # (summed once: ``_keep`` runs over every kept workspace at each new key)
 
 
 class DefaultForward:
@@ -285,6 +286,7 @@ class DefaultForward:
         else:
             ws = _Workspace(prep, None, None, None, torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev))
         if self.keep:
+            ws = ws._replace(nbytes=_bytes(ws))
             with _CALLS_LOCK:
                 if _keep(self, ws):
                     self.workspace = ws
@@ -353,22 +355,26 @@ def _scan_and_output(kernels: ForwardKernels, state_inputs: tuple, segs, seg_sta
 def _keep(call: DefaultForward, ws: _Workspace) -> bool:
     """Whether ``ws`` is kept for ``call``'s next calls: when small, dropping the oldest kept
     workspaces while all kept ones would exceed ``KEPT_WORKSPACE_TOTAL``."""
-    size = _bytes(ws)
-    if size > KEPT_WORKSPACE_BYTES:
+    if ws.nbytes > KEPT_WORKSPACE_BYTES:
         return False
     kept = [c for c in _CALLS.values() if c.workspace is not None and c is not call]
-    total = size + sum(_bytes(c.workspace) for c in kept)
+    total = ws.nbytes
+    for c in kept:
+        total += c.workspace.nbytes
     for c in kept:
         if total <= KEPT_WORKSPACE_TOTAL:
             break
-        total -= _bytes(c.workspace)
+        total -= c.workspace.nbytes
         c.workspace = None
     return True
 
 
 def _bytes(ws: _Workspace) -> int:
-    tensors = [t for t in (*ws.prep, ws.seg_state, ws.trunc_flags, ws.seg_states, ws.final_scratch) if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    total = 0
+    for t in (*ws.prep, ws.seg_state, ws.trunc_flags, ws.seg_states, ws.final_scratch):
+        if t is not None:
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _caller_layout(final_state, output_final_state: bool, state_v_first: bool):

@@ -174,3 +174,44 @@ def test_memo_gives_the_same_problem():
     first = validation.check_inputs(*args)
     assert validation.check_inputs(*args) is first
     assert first == validation._check_inputs(*args, None)
+
+
+def test_memo_of_any_length_takes_this_calls_lengths(monkeypatch):
+    """A call that differs from one that passed only in T and N gets its own T and N from the
+    memo keyed without them, without the full rules; where the lengths disagree the full
+    rules still run and name them."""
+    from flash_gdn import validation
+
+    full_rules = []
+    rules = validation._check_inputs
+    monkeypatch.setattr(validation, "_check_inputs", lambda *a: full_rules.append(1) or rules(*a))
+
+    def args(t, n=None, dev="meta", **over):
+        x = dict(q=torch.empty(1, t, 2, 32, device=dev), k=torch.empty(1, t, 2, 32, device=dev),
+                 v=torch.empty(1, t, 4, 32, device=dev), g=torch.empty(1, t, 4, device=dev),
+                 beta=torch.empty(1, t, 4, device=dev))
+        x.update(over)
+        cu = None if n is None else torch.empty(n + 1, dtype=torch.int32, device=dev)
+        h0 = x.pop("h0", None)
+        return (x["q"], x["k"], x["v"], x["g"], x["beta"], None, h0, cu, False)
+
+    validation.check_inputs(*args(64, 2, h0=torch.empty(2, 4, 32, 32, device="meta")))
+    validation._PASSED.clear()  # (only the any-length memo can answer below)
+    p = validation.check_inputs(*args(100, 3, h0=torch.empty(3, 4, 32, 32, device="meta")))
+    assert len(full_rules) == 1  # (the first call's)
+    assert (p.seq_len, p.num_seqs, p.num_v_heads, p.head_k) == (100, 3, 4, 32)
+    assert p == rules(*args(100, 3, h0=torch.empty(3, 4, 32, 32, device="meta")), None)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        validation.check_inputs(*args(100, 3, h0=torch.empty(2, 4, 32, 32, device="meta")))
+    with pytest.raises(ValueError, match="cu_seqlens must hold at least 2"):
+        validation.check_inputs(*args(100, 0, h0=torch.empty(0, 4, 32, 32, device="meta")))
+    for name, x in (("k", torch.empty(1, 99, 2, 32, device="meta")), ("v", torch.empty(1, 99, 4, 32, device="meta")),
+                    ("g", torch.empty(1, 99, 4, device="meta")), ("beta", torch.empty(1, 99, 4, device="meta"))):
+        with pytest.raises(ValueError, match=f"{name} must"):
+            validation.check_inputs(*args(100, 3, h0=torch.empty(3, 4, 32, 32, device="meta"), **{name: x}))
+    # Without cu_seqlens N is the batch: a new T of a passing batch call.
+    validation.check_inputs(*args(20, dev="cpu"))
+    validation._PASSED.clear()
+    full_rules.clear()
+    p = validation.check_inputs(*args(70, dev="cpu"))
+    assert not full_rules and (p.batch, p.seq_len, p.num_seqs) == (1, 70, 1)

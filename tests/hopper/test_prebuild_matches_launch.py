@@ -205,6 +205,24 @@ def test_the_cp_workspaces_of_host_bound_rows_are_kept(recorder, lengths, hqk, h
     forward.release_workspaces()
 
 
+def test_kept_workspaces_of_new_lengths_stay_under_the_total(recorder, monkeypatch):
+    """Calls whose packed length changes every call (serving): each new key keeps its workspace,
+    sized once (``nbytes``), and the oldest are dropped while all kept ones would exceed the total."""
+    from flash_gdn.hopper import forward
+
+    forward.release_workspaces()
+    monkeypatch.setattr(forward, "KEPT_WORKSPACE_TOTAL", 32 << 20)  # (two or three of these, ~13 MiB each)
+    for extra in range(0, 6 * 64, 64):
+        q, k, v, g, beta, cu, problem = _inputs([1024 + extra, 1024], 2, 8)
+        forward.hopper_forward(q, k, v, g, beta, problem, None, False, False, cu, False)
+        kept = [c.workspace for c in forward._CALLS.values() if c.workspace is not None]
+        assert all(ws.nbytes == forward._bytes(ws) > 0 for ws in kept)
+        assert sum(ws.nbytes for ws in kept) <= forward.KEPT_WORKSPACE_TOTAL
+    assert len(forward._CALLS) == 6 and 1 < len(kept) < 6  # (the newest kept, the oldest dropped)
+    assert list(forward._CALLS.values())[-1].workspace is not None
+    forward.release_workspaces()
+
+
 @pytest.mark.parametrize("lengths, hqk, hv", BACKWARD_ROWS)
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_a_training_forward_starts_its_backwards_kernels(recorder, monkeypatch, lengths, hqk, hv, with_h0):
