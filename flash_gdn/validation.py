@@ -119,16 +119,17 @@ def _without_dim1(x) -> tuple:
     return (type(x), x.shape[:1] + x.shape[2:], x.dtype, x.device)
 
 
-def _any_length_key(key: tuple, q, k, v, g, beta, initial_state, cu_seqlens) -> tuple | None:
-    """``key`` (a ``_signature``) without T (dim 1 of q, k, v, g, beta) and N (cu_seqlens'
-    length, the initial state's first dim); None where one of these is not there to drop."""
+def _any_length_key(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first) -> tuple | None:
+    """What ``_signature`` reads without T (dim 1 of q, k, v, g, beta) and N (cu_seqlens' length,
+    the initial state's first dim); None where one of these is not there to drop."""
     try:
-        return (_without_dim1(q), _without_dim1(k), _without_dim1(v), _without_dim1(g), _without_dim1(beta), *key[5:7],
+        return (_without_dim1(q), _without_dim1(k), _without_dim1(v), _without_dim1(g), _without_dim1(beta),
+                type(scale), scale,
                 None if initial_state is None else (type(initial_state), initial_state.shape[1:], initial_state.dtype,
                                                     initial_state.device),
                 None if cu_seqlens is None else (type(cu_seqlens), cu_seqlens.dim(), cu_seqlens.dtype,
                                                  cu_seqlens.device),
-                key[9])
+                state_v_first)
     except (AttributeError, IndexError, TypeError):
         return None
 
@@ -157,14 +158,14 @@ def check_inputs(
         try:
             problem = _PASSED.get(key)
         except TypeError:  # an unhashable scale: the rules below name it
-            problem = key = None
+            key = None
         if problem is not None:
             return problem
-    if key is not None:
-        any_length = _any_length_key(key, q, k, v, g, beta, initial_state, cu_seqlens)
+    if key is not None:  # (a new T or N of metadata that passed: only their rules)
+        any_length = _any_length_key(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
         template = None if any_length is None else _PASSED_ANY_LENGTH.get(any_length)
-        problem = None if template is None else _from_any_length(template, q, k, v, g, beta, initial_state,
-                                                                 cu_seqlens)
+        if template is not None:
+            problem = _from_any_length(template, q, k, v, g, beta, initial_state, cu_seqlens)
     if problem is None:
         problem = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                 validate_cu_seqlens)
