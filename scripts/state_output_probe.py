@@ -133,9 +133,11 @@ def compiled(variant: str, number: int):
         128, 128, "bfloat16", False, True, 2, False, False)
 
 
-def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int, reference=None) -> tuple[float, float | None]:
+def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int, reference=None,
+                roles: bool = False) -> tuple[float, float | None]:
     """Best of three batches, us a call; with a ``reference`` kernel also the largest relative
-    difference of the output and the final state to its on the same inputs."""
+    difference of the output and the final state to its on the same inputs. ``roles``: the
+    kernel is a roles variant (one more argument, ``q_norms`` = 0: the norms as loaded)."""
     from flash_gdn.planning import plan_for
 
     dev = torch.device("cuda")
@@ -151,7 +153,8 @@ def time_kernel(kernel, hqk: int, hv: int, seqs: int, length: int, reference=Non
     w = torch.empty(1, 1, 128, device=dev, dtype=torch.bfloat16)  # form_w: not read
     o = torch.empty(t, hv, 128, device=dev, dtype=torch.bfloat16)
     state = torch.empty(seqs, hv, 128, 128, device=dev)
-    call = lambda: kernel(q, k, w, v, a_g, gamma, norms, norms, plan.seq_info, state, 128 ** -0.5, o, state)  # noqa: E731
+    tail = (0,) if roles else ()
+    call = lambda: kernel(q, k, w, v, a_g, gamma, norms, norms, plan.seq_info, state, 128 ** -0.5, o, state, *tail)  # noqa: E731
     diff = None
     if reference is not None:
         o.fill_(float("nan"))
@@ -172,6 +175,7 @@ if __name__ == "__main__":
     print(torch.cuda.get_device_name(), flush=True)
     for row in rows:
         for variant in variants:
-            us, diff = time_kernel(kernels[variant], *row, reference=full if variant.startswith("roles") else None)
+            us, diff = time_kernel(kernels[variant], *row, reference=full if variant.startswith("roles") else None,
+                                   roles=variant.startswith("roles"))
             agree = "" if diff is None else f"  max rel diff to full {diff:.1e}"
             print(f"{variant:13s} {row}: {us:8.1f} us  {us / (row[3] // 64):.3f} us a chunk{agree}", flush=True)

@@ -259,6 +259,15 @@ class DefaultForward:
         self.rule = tuple(segments) if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
         self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS  # (the workspace's: A_r is per call)
         self.keep_inverse = keep_inverse
+        # Without grouped heads the roles kernel forms the fused L2 norm's inverse query norms from
+        # its own q tiles, so prepare_wu skips them (NORMALIZE_K_ONLY) and q is read once: H200,
+        # forward kernel time with the norm, 32/32 x 8192x4 534 -> 500 us. With groups every value
+        # head's CTA would form them again, on the state kernel's path, against one CTA of
+        # prepare_wu per group: 16/32 x 8192x4 486 -> 494, 16/64 x 8192x4 921 -> 976, 2/8 x 1x8192
+        # 68.9 -> 75.0 (docs/performance.md s53). The backward runs its own prepare_wu, which
+        # writes them for it.
+        self.roles = roles
+        self.state_q_norms = roles and problem.num_v_heads == problem.num_qk_heads
         if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
             from .backward import compile_ahead
 
@@ -305,8 +314,10 @@ class DefaultForward:
             a_r = torch.empty(plan.chunk_bounds.shape[0], p.num_v_heads, CHUNK, CHUNK, dtype=torch.float16,
                               device=self.dev)
             prep = prep._replace(a_r=a_r)
-        launch_prepare(kernels.prepare, flat, plan, prep, use_l2)
+        launch_prepare(kernels.prepare, flat, plan, prep, use_l2, q_norms=not self.state_q_norms)
         qf, kf, vf = flat[:3]
+        # the roles kernel's last argument
+        q_norms = (int(use_l2 and self.state_q_norms),) if self.roles else ()
         h0 = _kernel_h0(initial_state, state_v_first)
         o = torch.empty(p.batch * p.seq_len, p.num_v_heads, p.head_v, dtype=self.dtype, device=self.dev)
         # The V-major state kernel and the CP transitions form U = A_g V and W S from V, K and A_g
@@ -314,13 +325,13 @@ class DefaultForward:
         state_inputs = (qf, kf, prep.w, vf, prep.a_u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv)
         if not self.cp:
             final_state = (torch.empty_like(ws.final_scratch) if output_final_state else ws.final_scratch)
-            _output_pass(kernels, state_inputs, plan.seq_info, final_state, h0, p.scale, o)
+            _output_pass(kernels, state_inputs, plan.seq_info, final_state, h0, p.scale, o, q_norms)
         else:
             segs = plan.segments
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
                                 prep.log_bound, ws.seg_state, ws.trunc_flags)
             final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
-                                           h0, p.scale, o, (), output_final_state)
+                                           h0, p.scale, o, q_norms, output_final_state)
         o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
         return o, _caller_layout(final_state, output_final_state, state_v_first), a_r
 
@@ -333,22 +344,23 @@ def _kernel_h0(initial_state, state_v_first: bool):
     return h0.to(torch.float32).contiguous()
 
 
-def _output_pass(kernels: ForwardKernels, state_inputs: tuple, runs, final_state, h0, scale, o, saved=()) -> None:
+def _output_pass(kernels: ForwardKernels, state_inputs: tuple, runs, final_state, h0, scale, o, extra=()) -> None:
     """The output kernel over whole sequences (``runs``: the plan's seq_info) from ``h0``, each
     end state into ``final_state``. Without an initial state the kernel is compiled not to
-    read one (any buffer will do)."""
-    kernels.output(*state_inputs, runs, final_state if h0 is None else h0, scale, o, final_state, *saved)
+    read one (any buffer will do). ``extra``: the output kernel's last arguments (the saved
+    chunk states h and V_new of ``state_output``; the roles kernel's ``q_norms``)."""
+    kernels.output(*state_inputs, runs, final_state if h0 is None else h0, scale, o, final_state, *extra)
 
 
 def _scan_and_output(kernels: ForwardKernels, state_inputs: tuple, segs, seg_state, trunc_flags, seg_states, h0,
-                     scale, o, saved, output_final_state: bool):
+                     scale, o, extra, output_final_state: bool):
     """CP after the segment transitions: the scan writes every segment's start state into
     ``seg_states`` (from ``h0``; compiled not to read one without it), then the output kernel
     reads each segment's start state and writes its end state in place (the CTA of a (segment,
     head) reads exactly the elements it later writes, and reads them first). Returns the
     sequences' final states (a gather: a copy) when asked for, else None."""
     kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, trunc_flags, seg_states)
-    kernels.output(*state_inputs, segs.seg_info, seg_states, scale, o, seg_states, *saved)
+    kernels.output(*state_inputs, segs.seg_info, seg_states, scale, o, seg_states, *extra)
     return seg_states[segs.last_seg] if output_final_state else None
 
 

@@ -24,7 +24,9 @@ Fused L2 norm (``normalize`` = 1): K K^T's diagonal gives |k_i|^2, so with
 r_i = 1 / sqrt(|k_i|^2 + 1e-6) the normalised keys enter as K K^T -> r_i (K K^T)_ij r_j and
 W = (A_w diag(r)) K; no normalised copy of k is written. The inverse norms of k and q per
 qk head and chunk (``k_norm_inv``, ``q_norm_inv``, 1 when not normalising) are written by the
-first value head of each group, for the state kernels to fold into their row factors. Nothing here depends on the state,
+first value head of each group, for the state kernels to fold into their row factors (q's not
+with ``normalize`` = ``NORMALIZE_K_ONLY``: the roles state kernel forms them from its q tile).
+Nothing here depends on the state,
 so every (chunk, value head) is an independent CTA. (A TMA-pipelined variant walking
 several chunks per CTA measured slower: 1 CTA/SM instead of 3; see docs/performance.md.)
 """
@@ -57,6 +59,11 @@ FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
 BACKWARD_OUTPUTS = (True, False, True, True, False, False)
 BACKWARD_FROM_INVERSE_OUTPUTS = (False, False, True, True, False, True)
 SAVED_STATE_OUTPUTS = (True, True, False, True, False, False)
+# ``normalize``, the kernel's runtime switch of the fused L2 norm: 0 none (the inverse norms
+# written as 1), 1 both q's and k's norms, NORMALIZE_K_ONLY k's alone, where the state kernel
+# forms q's from its own q tile (``state_output_roles`` with ``q_norms``: q then goes through HBM
+# once, not twice; at 32/32 x 8192x4 q's norms here took prepare_wu from 167 to 245 us, s53).
+NORMALIZE_K_ONLY = 2
 # log_bound of a chunk in which some key may expand the state (beta |k_hat|^2 outside [0, 2]):
 # large enough that no sum of gate totals brings a window holding it below the truncation level.
 EXPANDING = 1e30
@@ -333,16 +340,20 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                     sink = diag16[0, 0]
             if writes_norms != 0:
                 for i in T.Parallel(CHUNK):
-                    q_inv[i] = T.cast(1, ACCUM)
-                if normalize != 0:
-                    T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
-                    T.gemm(q_tile, q_tile, qqt, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(CHUNK, CHUNK):
-                        if i == j:
-                            q_inv[i] = 1 / T.sqrt(qqt[i, j] + 1e-6)
-                for i in T.Parallel(CHUNK):
-                    q_norm_inv[qk_head, chunk_id, i] = q_inv[i]
                     k_norm_inv[qk_head, chunk_id, i] = k_inv[i]
+                # (NORMALIZE_K_ONLY: q's norms are the state kernel's, from the q tile it loads
+                # anyway; q_norm_inv is left unwritten and q is not read here)
+                if normalize != NORMALIZE_K_ONLY:
+                    for i in T.Parallel(CHUNK):
+                        q_inv[i] = T.cast(1, ACCUM)
+                    if normalize != 0:
+                        T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_tile)
+                        T.gemm(q_tile, q_tile, qqt, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(CHUNK, CHUNK):
+                            if i == j:
+                                q_inv[i] = 1 / T.sqrt(qqt[i, j] + 1e-6)
+                    for i in T.Parallel(CHUNK):
+                        q_norm_inv[qk_head, chunk_id, i] = q_inv[i]
 
     return prepare_wu
 
@@ -463,10 +474,14 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
     return PrepareBuffers(w, u, a_u, gamma, q_norm_inv, k_norm_inv, a_r, log_bound)
 
 
-def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareBuffers, use_l2: bool) -> None:
-    """``prepare_wu`` on the flattened inputs ``flat`` (``flat_inputs``) into ``out``."""
+def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareBuffers, use_l2: bool,
+                   q_norms: bool = True) -> None:
+    """``prepare_wu`` on the flattened inputs ``flat`` (``flat_inputs``) into ``out``. With
+    ``use_l2`` and not ``q_norms``, ``out.q_norm_inv`` is not written (the state kernel forms
+    q's norms itself)."""
     qf, kf, vf, gf, bf = flat
-    kernel(kf, vf, gf, bf, plan.chunk_bounds, out.w, out.u, out.gamma, qf, int(use_l2), out.q_norm_inv,
+    normalize = (1 if q_norms else NORMALIZE_K_ONLY) if use_l2 else 0
+    kernel(kf, vf, gf, bf, plan.chunk_bounds, out.w, out.u, out.gamma, qf, normalize, out.q_norm_inv,
            out.k_norm_inv, out.a_r, out.a_u, out.log_bound)
 
 

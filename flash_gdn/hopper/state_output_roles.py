@@ -123,7 +123,10 @@ __device__ __forceinline__ void flash_gdn_store_acc_float16(const float* acc, vo
 def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = STAGES,
                              in_place: bool = False):
     """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True,
-    in_place=in_place)`` (W is not read); V = 128 only. ``in_place`` (context parallelism): the
+    in_place=in_place)`` (W is not read) and one more, last: ``q_norms`` (int), 1 where the
+    producer forms the fused L2 norm's inverse query norms from the q tile (``stage_q_norms``;
+    ``q_norm_inv`` is then not read: prepare_wu ran with ``NORMALIZE_K_ONLY``), 0 where they come
+    from ``q_norm_inv``; V = 128 only. ``in_place`` (context parallelism): the
     segments' start states are read from and their end states written to one buffer (each state
     thread reads exactly the elements it writes at the end), value heads on grid x and segments
     on y, and a segment without tokens neither loads nor stores its state."""
@@ -159,6 +162,30 @@ def stage_factors(fac, stage, length, scale):
             i < length, T.__exp(fac[stage, F_GAMMA, length - 1] - fac[stage, F_GAMMA, i]) * fac[stage, F_KINV, i],
             T.cast(0, ACCUM))
         fac[stage, F_DECAY, i] = T.__exp(fac[stage, F_GAMMA, length - 1])  # read at 0
+
+
+@T.macro
+def stage_q_norms(q_s, fac, stage, t, head_k, dtype):
+    """The fused L2 norm's inverse query norms r_q,i = 1 / sqrt(|q_i|^2 + 1e-6) of a chunk, from
+    its q tile (``q_s[stage]``), into ``fac[stage]`` row F_QINV (over the row loaded there), by
+    the producer's 128 threads (``t``): two a row, each summing half of it in fp32 from 16-byte
+    loads, the halves added by one shuffle. (prepare_wu's Q Q^T diagonal formed the same sums;
+    there q went through HBM a second time.) Rows past a sequence's end hold the next
+    sequence's q or zeros: finite factors of outputs that are not stored."""
+    half = head_k // 2
+    row = t // 2
+    col0 = (t % 2) * half
+    part = T.alloc_var(ACCUM)
+    q8 = T.alloc_local((8,), dtype)
+    part = T.cast(0, ACCUM)
+    for c in T.serial(half // 8):
+        for e in T.vectorized(8):
+            q8[e] = q_s[stage, row, col0 + c * 8 + e]
+        for e in T.unroll(8):
+            part = part + T.cast(q8[e], ACCUM) * T.cast(q8[e], ACCUM)
+    part = part + T.shfl_xor(part, 1)
+    if t % 2 == 0:
+        fac[stage, F_QINV, row] = 1 / T.sqrt(part + 1e-6)
 
 
 @T.macro
@@ -278,6 +305,7 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
         scale: T.float32,
         o: T.Tensor((tokens, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        q_norms: T.int32,
     ):
         with T.Kernel(*grid, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
             seq = g1 if in_place else g0
@@ -328,6 +356,8 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
                         load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded,
                                    (c + 1) % stages, seq_start + (c + 1) * CHUNK, first_chunk + c + 1, head, qk_head)
                     T.mbarrier_wait_parity(loaded[c % stages], (c // stages) % 2)
+                    if q_norms != 0:  # (uniform)
+                        stage_q_norms(q_s, fac, c % stages, tx - PRODUCER_THREAD0, head_k, dtype)
                     stage_factors(fac, c % stages, T.min(seq_end - seq_start - c * CHUNK, CHUNK), scale)
                     T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)

@@ -92,8 +92,10 @@ def test_forward_output_split_over_v(monkeypatch, split):
     _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"))
 
 
-def test_forward_l2norm_in_kernel():
-    _check(_inputs(400, 2, 8, 128, normalize=False), use_qk_l2norm_in_kernel=True)
+# (4/4: no grouped heads, q's norms formed by the roles state kernel; 2/8: by prepare_wu)
+@pytest.mark.parametrize("hqk,hv", [(2, 8), (4, 4)])
+def test_forward_l2norm_in_kernel(hqk, hv):
+    _check(_inputs(400, hqk, hv, 128, normalize=False), use_qk_l2norm_in_kernel=True)
 
 
 def test_forward_128k_tokens():

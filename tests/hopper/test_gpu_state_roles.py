@@ -58,9 +58,10 @@ def test_roles_long_sequences_many_heads(roles):
     _check(inputs, reference="chunked", cu_seqlens=random_cu_seqlens(lengths, device="cuda"))
 
 
-def test_roles_l2norm_in_kernel(roles):
+@pytest.mark.parametrize("hqk,hv", [(2, 8), (4, 4)])  # q's norms from prepare_wu / from the q tiles
+def test_roles_l2norm_in_kernel(roles, hqk, hv):
     lengths = [200, 77, 0, 129]
-    inputs = _inputs(sum(lengths), 2, 8, 128, normalize=False, gate=(0.0, 5.0), n=len(lengths), h0=True)
+    inputs = _inputs(sum(lengths), hqk, hv, 128, normalize=False, gate=(0.0, 5.0), n=len(lengths), h0=True)
     _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"), use_qk_l2norm_in_kernel=True)
 
 

@@ -26,13 +26,18 @@ class Recorder:
     def __init__(self):
         self.prebuilding = False
         self.built, self.launched = set(), set()
+        self.calls = []  # (builder name, launch arguments), in launch order
 
     def builder(self, name):
         def build(*args, **kwargs):
             variant = (name, args, tuple(sorted(kwargs.items())))
             if self.prebuilding:
                 self.built.add(variant)
-            return lambda *a, **k: self.launched.add(variant)
+
+            def launch(*a, **k):
+                self.launched.add(variant)
+                self.calls.append((name, a))
+            return launch
         return build
 
     def build_together(self, key, make_builders):
@@ -113,6 +118,36 @@ def test_output_kernel_with_roles_or_not(recorder, monkeypatch, roles, with_h0):
     output = {name for name, _, _ in recorder.launched} & {"build_state_output_roles", "build_state_output_vmajor"}
     assert output == {"build_state_output_roles" if roles == "1" else "build_state_output_vmajor"}
     assert recorder.launched <= recorder.built, recorder.launched - recorder.built
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("cp", [False, True])
+@pytest.mark.parametrize("roles", ["1", "0"])
+def test_query_norms_of_the_fused_l2_norm_from_the_roles_kernel(recorder, monkeypatch, roles, cp, grouped):
+    """With use_qk_l2norm_in_kernel and no grouped heads, the roles output kernel forms q's
+    inverse norms from its q tiles (its last argument, q_norms = 1) and prepare_wu runs with
+    NORMALIZE_K_ONLY (q not read there); with groups (every value head would form them again),
+    or with the V-major kernel, prepare_wu writes q_norm_inv and the output kernel reads it.
+    Without CP (8 or 32 value heads x 2048x4) and with it (2 or 8 value heads x 1x16384)."""
+    from flash_gdn.hopper.forward import hopper_forward
+    from flash_gdn.hopper.prepare_wu import NORMALIZE_K_ONLY
+
+    monkeypatch.setenv("FLASH_GDN_STATE_ROLES", roles)
+    lengths, hqk, hv = ([16384], 2, 8) if cp else ([2048] * 4, 8, 32)
+    hqk = hqk if grouped else hv
+    q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
+    for use_l2 in (True, False):
+        recorder.calls.clear()
+        hopper_forward(q, k, v, g, beta, problem, None, True, use_l2, cu, False)
+        names = [name for name, _ in recorder.calls]
+        assert ("build_segment_scan" in names) == cp
+        normalize = [a[9] for name, a in recorder.calls if name == "build_prepare_wu"]
+        output = [a for name, a in recorder.calls if name in ("build_state_output_roles", "build_state_output_vmajor")]
+        assert len(normalize) == 1 and len(output) == 1
+        in_state = roles == "1" and not grouped
+        assert normalize == [(NORMALIZE_K_ONLY if in_state else 1) if use_l2 else 0]
+        if roles == "1":
+            assert output[0][-1] == int(use_l2 and in_state)
 
 
 @pytest.mark.parametrize("with_h0", [False, True])
