@@ -1,13 +1,14 @@
 """Per-kernel GPU time of one forward or backward call (torch.profiler), for the rows given
 on the command line.
 
-    python3 scripts/profile_kernels.py [--bwd | --infer] [--save] 2/8:1x32768 16/64:8192x4
+    python3 scripts/profile_kernels.py [--bwd | --infer] [--save] [--l2] 2/8:1x32768 16/64:8192x4
 
 The forward is timed through ``chunk_gated_delta_rule_fwd``: the forward run for a backward, which
 also keeps the chunk inverse A_r (``prepare_wu``'s ``with_inverse`` variant). ``--infer``: the
 inference forward instead, ``chunk_gated_delta_rule`` under ``torch.no_grad`` (A_g only: the
 variant the bench's ``fwd`` mode times). ``--save``: with ``save_chunk_states=True`` (the forward
-that writes the chunk states, and the backward that reads them).
+that writes the chunk states, and the backward that reads them). ``--l2``: with the fused L2 norm
+(``use_qk_l2norm_in_kernel=True``).
 """
 
 import sys
@@ -49,8 +50,12 @@ def row_step(x: dict, backward: bool, save: bool = False, infer: bool = False):
     return lambda: chunk_gated_delta_rule_bwd(do, None, saved)
 
 
-def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5, infer: bool = False) -> None:
-    step = row_step(row_inputs(spec), backward, save, infer)
+def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5, infer: bool = False,
+                l2: bool = False) -> None:
+    x = row_inputs(spec)
+    if l2:
+        x["use_qk_l2norm_in_kernel"] = True
+    step = row_step(x, backward, save, infer)
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -58,7 +63,7 @@ def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5, i
             step()
         torch.cuda.synchronize()
     kind = "backward" if backward else "inference forward" if infer else "forward"
-    print(f"== {spec} {kind}{' (saved states)' if save else ''}: per call, us")
+    print(f"== {spec} {kind}{' (saved states)' if save else ''}{' (L2 norm in kernel)' if l2 else ''}: per call, us")
     rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
     for name, us in sorted(rows, key=lambda r: -r[1]):
         print(f"  {us:9.1f}  {name[:90]}")
@@ -72,4 +77,4 @@ if __name__ == "__main__":
         sys.exit("--infer times the inference forward: not with --bwd or --save")
     specs = [a for a in args if not a.startswith("--")]
     for spec in specs or ["2/8:1x32768", "16/64:8192x4"]:
-        profile_row(spec, backward, save, infer=infer)
+        profile_row(spec, backward, save, infer=infer, l2="--l2" in args)
