@@ -65,18 +65,13 @@ def find_nvdisasm() -> str | None:
 
 def assemble(source: str, workdir: str) -> tuple[str, str]:
     """(cubin path, ptxas's report) for TileLang-generated CUDA, with the project's nvcc flags."""
-    import tilelang
+    from flash_gdn.hopper.launch import sm90_nvcc_command
 
-    from flash_gdn.hopper.launch import COMPILE_FLAGS
-
-    root = tilelang.__path__[0]
     path = os.path.join(workdir, "kernel.cu")
     with open(path, "w") as f:
         f.write(source)
     cubin = os.path.join(workdir, "kernel.cubin")
-    out = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", f"-I{root}/src",
-                          f"-I{root}/3rdparty/cutlass/include", *COMPILE_FLAGS, "-Xptxas", "-v", path, "-o", cubin],
-                         capture_output=True, text=True)
+    out = subprocess.run(sm90_nvcc_command(path, cubin, "-cubin", "-Xptxas", "-v"), capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     report = [line.strip() for line in out.stderr.splitlines() if "spill" in line or "Used" in line

@@ -28,6 +28,16 @@ from . import kernel_index
 COMPILE_FLAGS = ["-ftz=true"]
 
 
+def sm90_nvcc_command(source_path: str, output_path: str, *mode: str) -> list[str]:
+    """nvcc's command line for a kernel's generated CUDA at ``source_path``: sm_90a, TileLang's
+    include paths and ``COMPILE_FLAGS``, as the JIT builds it; ``mode`` the output kind and
+    extras (``-cubin``, ``-c``, ``-ptx``, ``-Xptxas -v``). For the checks that assemble kernels
+    on a machine without a GPU (the sm_90a compile tests, ``scripts/sass_report.py``)."""
+    root = tilelang.__path__[0]
+    return ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{root}/src", f"-I{root}/3rdparty/cutlass/include",
+            *COMPILE_FLAGS, *mode, source_path, "-o", output_path]
+
+
 # One lock for every factory's decoration: CPython 3.11 can fail to parse source in two threads
 # at once ("AST constructor recursion depth mismatch"), and the prebuild's threads would.
 _DECORATE = threading.Lock()

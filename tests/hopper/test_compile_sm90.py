@@ -235,19 +235,16 @@ def test_qk_grads_keeps_q_and_k_raw_in_shared_memory(name):
 
 def _assemble(source: str, tmp_path, *extra: str):
     """nvcc on a kernel's generated CUDA with the flags TileLang compiles it with here
-    (``launch.COMPILE_FLAGS``), to an object file; the completed process (ptxas's report in stderr)."""
+    (``launch.sm90_nvcc_command``), to an object file (``-c``, or what ``extra`` asks for); the
+    completed process (ptxas's report in stderr)."""
     import subprocess
 
-    from flash_gdn.hopper.launch import COMPILE_FLAGS
+    from flash_gdn.hopper.launch import sm90_nvcc_command
 
-    root = tilelang.__path__[0]
     path = tmp_path / "kernel.cu"
     path.write_text(source)
-    out = subprocess.run(
-        ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", f"-I{root}/src",
-         f"-I{root}/3rdparty/cutlass/include", *COMPILE_FLAGS, *extra, "-c", str(path), "-o", str(tmp_path / "kernel.o")],
-        capture_output=True, text=True,
-    )
+    out = subprocess.run(sm90_nvcc_command(str(path), str(tmp_path / "kernel.o"), *extra, "-c"), capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 
