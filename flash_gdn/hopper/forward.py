@@ -261,11 +261,11 @@ class DefaultForward:
         self.keep_inverse = keep_inverse
         # Without grouped heads the roles kernel forms the fused L2 norm's inverse query norms from
         # its own q tiles, so prepare_wu skips them (NORMALIZE_K_ONLY) and q is read once: H200,
-        # forward kernel time with the norm, 32/32 x 8192x4 534 -> 500 us. With groups every value
+        # forward kernel time with the norm, 32/32 x 8192x4 534 -> 494 us (s53-s54). With groups every value
         # head's CTA would form them again, on the state kernel's path, against one CTA of
         # prepare_wu per group: 16/32 x 8192x4 486 -> 494, 16/64 x 8192x4 921 -> 976, 2/8 x 1x8192
-        # 68.9 -> 75.0 (docs/performance.md s53). The backward runs its own prepare_wu, which
-        # writes them for it.
+        # 68.9 -> 75.0 (docs/performance.md s53); with s54's shorter sums still 925 -> 962 at 16/64 and
+        # 69.5 -> 73.6 at 2/8. The backward runs its own prepare_wu, which writes them for it.
         self.roles = roles
         self.state_q_norms = roles and problem.num_v_heads == problem.num_qk_heads
         if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
