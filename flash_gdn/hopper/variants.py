@@ -11,6 +11,7 @@ import itertools
 from .backward import STATE_BLOCKS
 from .chunk_states import build_chunk_states
 from .forward_fused import build_forward_fused
+from .fused_grads import build_fused_grads
 from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
@@ -93,6 +94,15 @@ def opt_in_builders(head_dim: int, dtype: str):
             for gd, h0 in itertools.product(sorted({"float32", dtype}), (False, True))]
 
 
+def prototype_builders(head_dim: int, dtype: str):
+    """Kernels no call launches yet, only their tests and scripts (the fused reverse pass,
+    ``hopper.fused_backward``: K = V = 128, fp32 gates): compiled by CI, never by ``warmup``."""
+    if head_dim != 128:
+        return []
+    return [(f"fused_grads[{dtype},dht={dht}]", lambda dht=dht: build_fused_grads(head_dim, head_dim, dtype, "float32", dht))
+            for dht in (False, True)]
+
+
 def backward_kernel_builders(head_dim: int, dtype: str):
     """The backward's kernels (the sequential stages in every column split of ``state_block_v``)."""
     d = head_dim
@@ -129,5 +139,6 @@ def planning_builders():
 def all_variants():
     yield from planning_builders()
     for dtype, d in itertools.product(DTYPES, HEAD_DIMS):
-        for name, build in kernel_builders(d, dtype) + opt_in_builders(d, dtype) + backward_kernel_builders(d, dtype):
+        for name, build in (kernel_builders(d, dtype) + opt_in_builders(d, dtype) + backward_kernel_builders(d, dtype)
+                            + prototype_builders(d, dtype)):
             yield f"{name}[K=V={d}]", build

@@ -1,0 +1,92 @@
+"""Host side of the fused reverse pass (``fused_grads``, step 1 of the plan in docs/performance.md):
+``prepare_wu`` (gamma, the inverse norms, A_r, and W and A_g for the next stage), ``chunk_states``
+(every chunk's start state h), then one ``fused_grads`` pass per (sequence, value head) for all
+the gradients. No context parallelism yet, so one CTA per sequence and value head; the group sum
+of dq and dk and the L2 norm's backward are torch ops here (a kernel of their own later).
+
+Not the default backward: ``backward_stages`` is. This path exists to check the fused formulas
+on a GPU and to time the serial pass (``scripts/fused_backward_time.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..planning import plan_for
+from ..validation import Problem
+from .chunk_states import build_chunk_states
+from .fused_grads import build_fused_grads
+from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, flat_inputs, launch_prepare, prepare_buffers
+from .tiles import TL_DTYPE
+
+
+def l2_norm_backward_rows(x: torch.Tensor, inv: torch.Tensor, dx_hat: torch.Tensor) -> torch.Tensor:
+    """Gradient through x_hat = x r (r = ``inv``, one per row): dx = r (dx_hat - (dx_hat . x_hat) x_hat)."""
+    x_hat = x.float() * inv[..., None]
+    return inv[..., None] * (dx_hat - (dx_hat * x_hat).sum(-1, keepdim=True) * x_hat)
+
+
+def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2: bool,
+                           cu_seqlens) -> dict:
+    """(dq, dk, dv, dg, dbeta, dh0_all) as ``backward_stages`` returns them (dq, dk in the input
+    dtype; dg, dbeta, dh0_all fp32), states in the ``[.., K, V]`` layout."""
+    p, dev, dtype = problem, q.device, q.dtype
+    batch, seq_len, tokens = p.batch, p.seq_len, p.batch * p.seq_len
+    hqk, hv, dk, dv = p.num_qk_heads, p.num_v_heads, p.head_k, p.head_v
+    if hv % hqk or dk != 128 or dv != 128:
+        raise ValueError(f"fused_reverse_backward: K = V = 128 only (the prototype's variants), got K={dk}, V={dv}")
+    gate_dtype = torch.float32  # (one gate dtype: fewer variants for the prototype)
+    tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
+    flat = flat_inputs(q, k, v, g, beta, p, gate_dtype)
+    plan = plan_for(batch, seq_len, cu_seqlens, dev)
+    num_chunks = plan.chunk_bounds.shape[0]
+    prep = prepare_buffers(p, num_chunks, dtype, dev, BACKWARD_OUTPUTS)
+    launch_prepare(build_prepare_wu(dk, dv, tl_dtype, gate_tl, *BACKWARD_OUTPUTS), flat, plan, prep, use_l2)
+    qf, kf, vf, _, bf = flat
+
+    h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
+    v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)  # (chunk_states writes it; unread here)
+    dh0 = torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    # (a kernel compiled without an initial state does not read it: dh0 stands in)
+    build_chunk_states(dk, dv, tl_dtype, h0 is not None)(kf, prep.w, vf, prep.a_u, prep.gamma, prep.k_norm_inv,
+                                                        plan.seq_info, dh0 if h0 is None else h0, h, v_new)
+    del v_new
+
+    dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
+    dht32 = None if dht is None else dht.float().contiguous()
+    dq_v = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
+    dk_v = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
+    dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
+    dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
+    dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
+    build_fused_grads(dk, dv, tl_dtype, gate_tl, dht32 is not None)(
+        qf, kf, vf, dof, bf, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, prep.a_r, h, plan.seq_info,
+        dh0 if dht32 is None else dht32, p.scale, dq_v, dk_v, dv_out, dbeta, dg, dh0)
+
+    # The group sum over the value heads that share a q/k head, then the L2 norm's backward.
+    group = hv // hqk
+    dq = dq_v.view(tokens, hqk, group, dk).sum(2)
+    dk_sum = dk_v.view(tokens, hqk, group, dk).sum(2)
+    if use_l2:
+        # prep's inverse norms are per (q/k head, chunk, row): back to tokens through the chunk map.
+        q_inv = _rows_of_chunks(prep.q_norm_inv, plan.chunk_bounds, tokens)
+        k_inv = _rows_of_chunks(prep.k_norm_inv, plan.chunk_bounds, tokens)
+        dq = l2_norm_backward_rows(qf, q_inv, dq)
+        dk_sum = l2_norm_backward_rows(kf, k_inv, dk_sum)
+    return dict(dq=dq.to(dtype).view(batch, seq_len, hqk, dk), dk=dk_sum.to(dtype).view(batch, seq_len, hqk, dk),
+                dv=dv_out.view(batch, seq_len, hv, dv), dg=dg.view(batch, seq_len, hv),
+                dbeta=dbeta.view(batch, seq_len, hv), dh0_all=dh0)
+
+
+def _rows_of_chunks(per_chunk: torch.Tensor, chunk_bounds: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[heads, chunks, C]`` values of the chunks' rows -> ``[tokens, heads]`` (rows past a chunk's
+    end dropped; no host synchronisation: a scatter through each row's token index)."""
+    heads, chunks, size = per_chunk.shape
+    starts, ends = chunk_bounds[:, 0].long(), chunk_bounds[:, 1].long()
+    index = starts[:, None] + torch.arange(size, device=per_chunk.device)[None, :]
+    valid = index < ends[:, None]
+    out = torch.zeros(tokens + 1, heads, dtype=per_chunk.dtype, device=per_chunk.device)
+    target = torch.where(valid, index, torch.full_like(index, tokens))  # invalid rows to a spare row
+    out.index_copy_(0, target.reshape(-1), per_chunk.permute(1, 2, 0).reshape(-1, heads))
+    return out[:tokens]
