@@ -1,6 +1,6 @@
 """Host side of the fused reverse pass (``fused_grads``, step 1 of the plan in docs/performance.md):
-``prepare_wu`` (gamma, the inverse norms, A_r, and W and A_g for the next stage), ``chunk_states``
-(every chunk's start state h), then one ``fused_grads`` pass per (sequence, value head) for all
+``prepare_wu`` (gamma, the inverse norms, A_r, W and A_g), ``chunk_states``
+(every chunk's start state h and V_new), then one ``fused_grads`` pass per (sequence, value head) for all
 the gradients. No context parallelism yet, so one CTA per sequence and value head; the group sum
 of dq and dk and the L2 norm's backward are torch ops here (a kernel of their own later).
 
@@ -45,13 +45,12 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
     qf, kf, vf, _, bf = flat
 
     h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
-    v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)  # (chunk_states writes it; unread here)
+    v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     dh0 = torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     # (a kernel compiled without an initial state does not read it: dh0 stands in)
     build_chunk_states(dk, dv, tl_dtype, h0 is not None)(kf, prep.w, vf, prep.a_u, prep.gamma, prep.k_norm_inv,
                                                         plan.seq_info, dh0 if h0 is None else h0, h, v_new)
-    del v_new
 
     dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
     dht32 = None if dht is None else dht.float().contiguous()
@@ -61,8 +60,8 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
     dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     build_fused_grads(dk, dv, tl_dtype, gate_tl, dht32 is not None)(
-        qf, kf, vf, dof, bf, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, prep.a_r, h, plan.seq_info,
-        dh0 if dht32 is None else dht32, p.scale, dq_v, dk_v, dv_out, dbeta, dg, dh0)
+        qf, kf, vf, dof, bf, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, prep.a_r, h, prep.w, v_new, plan.seq_info,
+        dh0 if dht32 is None else dht32, p.scale, int(use_l2), dq_v, dk_v, dv_out, dbeta, dg, dh0)
 
     # The group sum over the value heads that share a q/k head, then the L2 norm's backward.
     group = hv // hqk

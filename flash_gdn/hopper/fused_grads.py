@@ -1,16 +1,17 @@
 """The backward in one reverse pass per (sequence, value head): step 1 of the fused reverse pass
-(docs/performance.md, "What limits the backward", item 4; plan s49). Serial: every product is
-waited for, all 256 threads do every phase in order, no warpgroup roles and no pipelining. It
-checks the fused formulas against ``reference.chunked_backward`` and sets the registers and
-shared memory a role-split version will have to fit; it is not the default path.
+(docs/performance.md, "What limits the backward", item 4; plan s49). No warpgroup roles and no
+pipelined loads: all 256 threads do every phase in order, the products in seven groups, each
+group issued together and waited for once. It checks the fused formulas against
+``reference.chunked_backward`` and sets the registers and shared memory a role-split version
+will have to fit; it is not the default path.
 
 One CTA per (sequence, value head) walks its chunks last to first with the gradient of the
 chunk's end state, dS', in fp32 registers (K x V). From q, k, v, dO, beta, gamma, the inverse
-norms and the gate-free inverse A_r (``prepare_wu``) and the chunk's start state S = h
+norms, the gate-free inverse A_r and W (``prepare_wu``), the chunk's start state S = h and V_new
 (``chunk_states``), per chunk (formulas of ``reference/chunked_backward.py``; C = 64):
 
     A_u = Gamma * A_r * beta_j,  A_w = e^gamma_i A_r beta_j     (lower incl. diagonal)
-    W = A_w K,  V_new = A_u V - W S,  M = Gamma * tril(Q K^T)   (the forward, recomputed)
+    M = Gamma * tril(Q K^T)
     dV_new = scale M^T dO + E K dS'
     dM = scale dO V_new^T (lower),  dQK = Gamma * dM
     dS = e^gamma_C dS' + (scale D Q)^T dO - W^T dV_new          (carried to the chunk before)
@@ -20,16 +21,18 @@ norms and the gate-free inverse A_r (``prepare_wu``) and the chunk's start state
     dA_r = Gamma beta_j dA_u + e^gamma_i beta_j dA_w,  dL = -(A_r^T dA_r A_r^T) (strictly lower)
     dKK = beta_i dL,  dbeta, dgamma as in the reference;  dg = reverse cumsum of dgamma
 
-Nothing but h goes through HBM between the forward recomputation and the gradients (no dh,
-V_new, dV_new, dK_wy or W). dq and dk leave per value head in fp32, with respect to the
-normalised q and k: the group sum and the L2 norm's backward follow (``fused_backward``).
+No gradient intermediate goes through HBM (dh, dV_new, dK_wy, dgamma_wy: the four-kernel
+backward's). V_new and W are read rather than formed again (chunk_states and prepare_wu write
+them for their own use; two products and a dependent step fewer a chunk). dq and dk leave per
+value head in fp32, with respect to the normalised q and k: the group sum and the L2 norm's
+backward follow (``fused_backward``).
 
-Shared memory (K = V = 128, bf16): q, k, v, dO, -W (then dW), V_new, dV_new 16 KB each, S and
+Shared memory (K = V = 128, bf16): q, k, v, dO, W (then dW), V_new, -dV_new 16 KB each, S and
 the bf16 copy of dS' 32 KB each, six 64 x 64 tiles (A_u, A_w, scale M then dQK then dKK in the
 input dtype; A_r, and dA_r then A_r^T dA_r, in fp16): 216 KB, and TileLang's reduction
-workspaces (1 KB each) take most of the rest of the 227 KB a CTA may have. Where the
-products need a row factor over their contraction (D on Q for (D Q)^T dO), it goes on dO's tile
-in place once dO's raw uses are done.
+workspaces (1 KB each) take most of the rest of the 227 KB a CTA may have. Where a product
+needs a row factor over its contraction (D on Q for (D Q)^T dO), it goes on dO's tile in place
+once dO's raw uses are done.
 """
 
 import functools
@@ -42,9 +45,10 @@ from .tiles import ACCUM, CHUNK, HALF, pair_decay
 
 @functools.lru_cache(maxsize=None)
 def build_fused_grads(head_k: int, head_v: int, dtype: str, gate_dtype: str, has_dht: bool):
-    """Arguments ``(q, k, v, do, beta, gamma, q_norm_inv, k_norm_inv, a_r, h, seq_info, dht, scale,
-    dq_v, dk_v, dv, dbeta, dg, dh0)``; ``dht`` is not read without ``has_dht`` (any fp32 state
-    buffer of the shape stands in)."""
+    """Arguments ``(q, k, v, do, beta, gamma, q_norm_inv, k_norm_inv, a_r, h, w, v_new, seq_info, dht,
+    scale, normalize, dq_v, dk_v, dv, dbeta, dg, dh0)``; ``dht`` is not read without ``has_dht`` (any
+    fp32 state buffer of the shape stands in); ``normalize`` (0 or 1): the fused L2 norm's factors
+    apply to q and k (without it they are 1 and not read)."""
     if head_k != head_v:
         raise ValueError(f"fused_grads: head_k ({head_k}) must equal head_v ({head_v})")
     return Launcher(_fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht))
@@ -71,9 +75,12 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         a_r: T.Tensor((num_chunks, num_v_heads, CHUNK, CHUNK), HALF),
         h: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
+        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        v_new: T.Tensor((tokens, num_v_heads, head_v), dtype),
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         dht: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
+        normalize: T.int32,
         dq_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
         dk_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
         dv: T.Tensor((tokens, num_v_heads, head_v), dtype),
@@ -86,9 +93,9 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             k_s = T.alloc_shared((CHUNK, head_k), dtype)
             v_s = T.alloc_shared((CHUNK, head_v), dtype)
             do_s = T.alloc_shared((CHUNK, head_v), dtype)
-            w_s = T.alloc_shared((CHUNK, head_k), dtype)  # -W, then dW
+            w_s = T.alloc_shared((CHUNK, head_k), dtype)  # W, then dW
             vn_s = T.alloc_shared((CHUNK, head_v), dtype)
-            dvn_s = T.alloc_shared((CHUNK, head_v), dtype)
+            dvn_s = T.alloc_shared((CHUNK, head_v), dtype)  # -dV_new
             h_s = T.alloc_shared((head_k, head_v), dtype)
             ds_s = T.alloc_shared((head_k, head_v), dtype)
             au_s = T.alloc_shared((CHUNK, CHUNK), dtype)
@@ -109,7 +116,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             ds = T.alloc_fragment((head_k, head_v), ACCUM)
             acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
             acc2 = T.alloc_fragment((CHUNK, head_k), ACCUM)
-            dq_f = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            acc3 = T.alloc_fragment((CHUNK, head_k), ACCUM)  # dQ, then dV
             dk_f = T.alloc_fragment((CHUNK, head_k), ACCUM)
             mf = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             cc1 = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
@@ -134,6 +141,8 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             length = T.alloc_var("int32")
             gamma_last = T.alloc_var(ACCUM)
             part = T.alloc_var(ACCUM)
+            h8 = T.alloc_local((8,), dtype)
+            s8 = T.alloc_local((8,), dtype)
             qk_head = T.alloc_var("int32")
 
             tx = T.get_thread_binding()
@@ -157,6 +166,8 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_s)
                 T.copy(v[start:start + CHUNK, head, 0:head_v], v_s)
                 T.copy(do[start:start + CHUNK, head, 0:head_v], do_s)
+                T.copy(w[start:start + CHUNK, head, 0:head_k], w_s)
+                T.copy(v_new[start:start + CHUNK, head, 0:head_v], vn_s)
                 T.copy(h[chunk, head, 0:head_k, 0:head_v], h_s)
                 T.copy(a_r[chunk, head, 0:CHUNK, 0:CHUNK], ar_h)
                 T.copy(gamma[head, chunk, 0:CHUNK], gamma_s)
@@ -166,41 +177,44 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
                     e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
-                # q and k normalised in place; rows past the sequence's end (the next sequence's
-                # tokens or zeros) cleared in all four tiles.
-                for i, d in T.Parallel(CHUNK, head_k):
-                    q_s[i, d] = T.if_then_else(i < length, T.cast(T.cast(q_s[i, d], ACCUM) * q_inv[i], dtype),
-                                               T.cast(0, dtype))
-                    k_s[i, d] = T.if_then_else(i < length, T.cast(T.cast(k_s[i, d], ACCUM) * k_inv[i], dtype),
-                                               T.cast(0, dtype))
-                for i, d in T.Parallel(CHUNK, head_v):
-                    v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
-                    do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
-
-                # --- the chunk's forward, recomputed: A_u, A_w, M, W, V_new
+                # With the fused L2 norm, q and k normalised in place (s54 probe: ~6k cycles a chunk
+                # went to this pass and the row clearing when both ran on every chunk). Rows past a
+                # sequence's end (the next sequence's tokens or zeros) cleared, in a sequence's last
+                # chunk only.
+                if normalize != 0:
+                    for i, d in T.Parallel(CHUNK, head_k):
+                        q_s[i, d] = T.cast(T.cast(q_s[i, d], ACCUM) * q_inv[i], dtype)
+                        k_s[i, d] = T.cast(T.cast(k_s[i, d], ACCUM) * k_inv[i], dtype)
+                if length < CHUNK:
+                    for i, d in T.Parallel(CHUNK, head_k):
+                        q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
+                        k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                        w_s[i, d] = T.if_then_else(i < length, w_s[i, d], T.cast(0, dtype))
+                    for i, d in T.Parallel(CHUNK, head_v):
+                        v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
+                        do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
+                        vn_s[i, d] = T.if_then_else(i < length, vn_s[i, d], T.cast(0, dtype))
+                # A_u = Gamma * A_r * beta_j and A_w = e^gamma_i A_r beta_j, lower incl. diagonal
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     cc1[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j]
                                  * T.Select(i >= j, T.cast(1, ACCUM), T.cast(0, ACCUM)))
                     au_s[i, j] = T.cast(cc1[i, j] * pair_decay(gamma_s[i], gamma_s[j]), dtype)
                     aw_s[i, j] = T.cast(cc1[i, j] * T.__exp(gamma_s[i]), dtype)
-                T.gemm(q_s, k_s, mf, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    mf[i, j] = T.Select(i >= j, mf[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
-                    x_s[i, j] = T.cast(mf[i, j] * scale, dtype)
-                T.gemm(aw_s, k_s, acc2, clear_accum=True)  # W = A_w K
-                for i, d in T.Parallel(CHUNK, head_k):
-                    w_s[i, d] = T.cast(-acc2[i, d], dtype)
-                T.gemm(au_s, v_s, acc, clear_accum=True)  # U = A_u V
-                T.gemm(w_s, h_s, acc)  # V_new = U - W S
-                T.copy(acc, vn_s)
-
-                # --- dS' to shared memory (bf16) and <S, dS'>: a partial sum a thread, summed over
-                # the warp by shuffles, one value a warp into dgsum_s (free until dg's cumsum)
                 T.copy(ds, ds_s)
+
+                # (1) Q K^T, K dS', dO V_new^T; <S, dS'> while they run: a partial sum a thread,
+                # summed over the warp by shuffles, one value a warp into dgsum_s (free until dg)
+                T.wgmma_gemm(q_s, k_s, mf, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(k_s, ds_s, acc, clear_accum=True)
+                T.wgmma_gemm(do_s, vn_s, cc1, transpose_B=True, clear_accum=True)
+                # (8 consecutive elements a read: 16-byte loads; s54 probe: one element a read, ~5k cycles)
                 part = T.cast(0, ACCUM)
-                for e in T.serial(state_elems // threads):
-                    part = part + (T.cast(h_s[(e * threads + tx) // head_v, (e * threads + tx) % head_v], ACCUM)
-                                   * T.cast(ds_s[(e * threads + tx) // head_v, (e * threads + tx) % head_v], ACCUM))
+                for r in T.serial(state_elems // (threads * 8)):
+                    for e in T.vectorized(8):
+                        h8[e] = h_s[((r * threads + tx) * 8) // head_v, ((r * threads + tx) * 8) % head_v + e]
+                        s8[e] = ds_s[((r * threads + tx) * 8) // head_v, ((r * threads + tx) * 8) % head_v + e]
+                    for e in T.unroll(8):
+                        part = part + T.cast(h8[e], ACCUM) * T.cast(s8[e], ACCUM)
                 part = part + T.shfl_xor(part, 16)
                 part = part + T.shfl_xor(part, 8)
                 part = part + T.shfl_xor(part, 4)
@@ -208,104 +222,116 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 part = part + T.shfl_xor(part, 1)
                 if tx % 32 == 0:
                     dgsum_s[tx // 32] = part
-
-                # --- dV_new = scale M^T dO + E K dS';  de_i = E_i (K dS')_i . V_new_i
-                T.gemm(k_s, ds_s, acc, clear_accum=True)
+                T.wait_wgmma(0)
+                # M = Gamma * tril(Q K^T) (x_s: scale M); E K dS' and de_i = E_i (K dS')_i . V_new_i;
+                # dM = scale dO V_new^T (lower) and dgamma's rows - columns of dM * M
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    mf[i, j] = T.Select(i >= j, mf[i, j], T.cast(0, ACCUM)) * pair_decay(gamma_s[i], gamma_s[j])
+                    x_s[i, j] = T.cast(mf[i, j] * scale, dtype)
+                    cc1[i, j] = T.Select(i >= j, cc1[i, j] * scale, T.cast(0, ACCUM))
+                    cc2[i, j] = cc1[i, j] * mf[i, j]
                 for i, d in T.Parallel(CHUNK, head_v):
                     acc[i, d] = acc[i, d] * e_s[i]
                     acc2[i, d] = acc[i, d] * T.cast(vn_s[i, d], ACCUM)
                 T.reduce_sum(acc2, red_de, dim=1)
+                T.reduce_sum(cc2, red_mr, dim=1)
+                T.reduce_sum(cc2, red_mc, dim=0)
+                # (one reduction result a loop: their layouts differ)
                 for i in T.Parallel(CHUNK):
                     de_s[i] = red_de[i]
-                T.gemm(x_s, do_s, acc, transpose_A=True)
-                T.copy(acc, dvn_s)
-
-                # --- dM = scale dO V_new^T (lower), dgamma's rows - columns of dM * M, dQK = Gamma * dM
-                T.gemm(do_s, vn_s, cc1, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    cc1[i, j] = T.Select(i >= j, cc1[i, j] * scale, T.cast(0, ACCUM))
-                    cc2[i, j] = cc1[i, j] * mf[i, j]
-                T.reduce_sum(cc2, red_mr, dim=1)
                 for i in T.Parallel(CHUNK):
                     dgam_s[i] = red_mr[i] - de_s[i]
-                T.reduce_sum(cc2, red_mc, dim=0)
                 for i in T.Parallel(CHUNK):
                     dgam_s[i] = dgam_s[i] - red_mc[i]
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    x_s[i, j] = T.cast(cc1[i, j] * pair_decay(gamma_s[i], gamma_s[j]), dtype)
-                T.gemm(x_s, k_s, dq_f, clear_accum=True)  # dQK K
-                T.gemm(x_s, q_s, dk_f, transpose_A=True, clear_accum=True)  # dQK^T Q
 
-                # --- dO's rows times scale D (its raw uses are done); dS for the chunk before
+                # (2) dV_new = scale M^T dO + E K dS', kept negated (dvn_s = -dV_new: W enters dS and
+                # dW with a minus, so neither W nor dW needs a pass of its own; dV and dA_u take the sign)
+                T.wgmma_gemm(x_s, do_s, acc, transpose_A=True)
+                T.wait_wgmma(0)
                 for i, d in T.Parallel(CHUNK, head_v):
+                    dvn_s[i, d] = T.cast(-acc[i, d], dtype)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    x_s[i, j] = T.cast(cc1[i, j] * pair_decay(gamma_s[i], gamma_s[j]), dtype)  # dQK = Gamma * dM
+                for i, d in T.Parallel(CHUNK, head_v):  # dO's raw uses are done: scale D on its rows
                     do_s[i, d] = T.cast(T.cast(do_s[i, d], ACCUM) * T.__exp(gamma_s[i]) * scale, dtype)
                 for i, j in T.Parallel(head_k, head_v):
                     ds[i, j] = ds[i, j] * T.__exp(gamma_last)
-                T.gemm(q_s, do_s, ds, transpose_A=True)  # + (scale D Q)^T dO
-                T.gemm(w_s, dvn_s, ds, transpose_A=True)  # - W^T dV_new
 
-                # --- dQ's state term (scale D dO) S^T, and dgamma's scale e^gamma_i (Q S)_i . dO_i
-                T.gemm(do_s, h_s, acc2, transpose_B=True, clear_accum=True)
+                # (3) dQK K, dQK^T Q, (scale D dO) S^T; dS for the chunk before:
+                #     dS = e^gamma_C dS' + (scale D Q)^T dO - W^T dV_new
+                T.wgmma_gemm(x_s, k_s, acc3, clear_accum=True)
+                T.wgmma_gemm(x_s, q_s, dk_f, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(do_s, h_s, acc2, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(q_s, do_s, ds, transpose_A=True)
+                T.wgmma_gemm(w_s, dvn_s, ds, transpose_A=True)  # W^T (-dV_new)
+                T.wait_wgmma(0)
+                # dQ = (scale D dO) S^T + dQK K; dgamma's scale e^gamma_i (Q S)_i . dO_i
                 for i, d in T.Parallel(CHUNK, head_k):
-                    dq_f[i, d] = dq_f[i, d] + acc2[i, d]
+                    acc3[i, d] = acc3[i, d] + acc2[i, d]
                     acc2[i, d] = acc2[i, d] * T.cast(q_s[i, d], ACCUM)
                 T.reduce_sum(acc2, red_qs, dim=1)
+                for i, d in T.Parallel(CHUNK, head_k):
+                    if i < length:
+                        dq_v[start + i, head, d] = acc3[i, d]
+
+                # (4) V_new dS'^T, dW = -dV_new S^T, -dV = A_u^T (-dV_new), -dA_u = (-dV_new) V^T
+                T.wgmma_gemm(vn_s, ds_s, acc2, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(dvn_s, h_s, acc, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(au_s, dvn_s, acc3, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(dvn_s, v_s, cc1, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                for i, d in T.Parallel(CHUNK, head_k):
+                    dk_f[i, d] = dk_f[i, d] + e_s[i] * acc2[i, d]  # + E V_new dS'^T
+                    w_s[i, d] = T.cast(acc[i, d], dtype)  # dW (W's last reader, dS, is done)
+                for i, d in T.Parallel(CHUNK, head_v):
+                    if i < length:
+                        dv[start + i, head, d] = T.cast(-acc3[i, d], dtype)
+                # dgamma's column terms of dA_u * A_u as row dots V_j . dV_j (wy_grads, s45); acc3 = -dV
+                for i, d in T.Parallel(CHUNK, head_v):
+                    acc3[i, d] = acc3[i, d] * T.cast(v_s[i, d], ACCUM)
+                T.reduce_sum(acc3, red_vd, dim=1)
                 for i in T.Parallel(CHUNK):
                     dgam_s[i] = dgam_s[i] + red_qs[i]
-                for i, d in T.Parallel(CHUNK, head_k):
-                    if i < length:
-                        dq_v[start + i, head, d] = dq_f[i, d]
-                # --- dK's state term E V_new dS'^T
-                T.gemm(vn_s, ds_s, acc2, transpose_B=True, clear_accum=True)
-                for i, d in T.Parallel(CHUNK, head_k):
-                    dk_f[i, d] = dk_f[i, d] + e_s[i] * acc2[i, d]
-
-                # --- the WY terms: dW, dV, dA_u, dA_w, dA_r, dL
-                T.gemm(dvn_s, h_s, acc2, transpose_B=True, clear_accum=True)
-                for i, d in T.Parallel(CHUNK, head_k):
-                    w_s[i, d] = T.cast(-acc2[i, d], dtype)  # dW (W is dead: dS took it)
-                T.gemm(au_s, dvn_s, acc, transpose_A=True, clear_accum=True)  # dV = A_u^T dV_new
-                for i, d in T.Parallel(CHUNK, head_v):
-                    if i < length:
-                        dv[start + i, head, d] = T.cast(acc[i, d], dtype)
-                # dgamma's column terms of dA_u * A_u as row dots V_j . dV_j (wy_grads, s45)
-                for i, d in T.Parallel(CHUNK, head_v):
-                    acc[i, d] = acc[i, d] * T.cast(v_s[i, d], ACCUM)
-                T.reduce_sum(acc, red_vd, dim=1)
                 for i in T.Parallel(CHUNK):
-                    dgam_s[i] = dgam_s[i] - red_vd[i]
-                T.gemm(dvn_s, v_s, cc1, transpose_B=True, clear_accum=True)  # dA_u
-                T.gemm(w_s, k_s, cc2, transpose_B=True, clear_accum=True)  # dA_w
+                    dgam_s[i] = dgam_s[i] + red_vd[i]
+
+                # (5) dA_w = dW K^T, dK's A_w^T dW, K K^T
+                T.wgmma_gemm(w_s, k_s, cc2, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(aw_s, w_s, dk_f, transpose_A=True)
+                T.wgmma_gemm(k_s, k_s, cc4, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                # G = Gamma dA_u + e^gamma_i dA_w (lower), dA_r = G beta_j; dbeta's columns of G * A_r;
+                # dgamma's rows of dA_u * A_u + dA_w * A_w
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    cc1[i, j] = T.Select(i >= j, cc1[i, j], T.cast(0, ACCUM))
+                    cc1[i, j] = T.Select(i >= j, -cc1[i, j], T.cast(0, ACCUM))  # dA_u
                     cc2[i, j] = T.Select(i >= j, cc2[i, j], T.cast(0, ACCUM))
-                for i, j in T.Parallel(CHUNK, CHUNK):
                     cc3[i, j] = cc1[i, j] * pair_decay(gamma_s[i], gamma_s[j]) + T.__exp(gamma_s[i]) * cc2[i, j]
-                    cc4[i, j] = cc3[i, j] * T.cast(ar_h[i, j], ACCUM)
-                    cc3[i, j] = cc3[i, j] * beta_s[j]
-                T.copy(cc3, dar_h)
-                T.reduce_sum(cc4, red_x, dim=0)
+                    mf[i, j] = cc3[i, j] * T.cast(ar_h[i, j], ACCUM)
+                    dar_h[i, j] = T.cast(cc3[i, j] * beta_s[j], HALF)
+                T.reduce_sum(mf, red_x, dim=0)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    mf[i, j] = cc2[i, j] * T.cast(aw_s[i, j], ACCUM) + cc1[i, j] * T.cast(au_s[i, j], ACCUM)
+                T.reduce_sum(mf, red_r, dim=1)
                 for i in T.Parallel(CHUNK):
                     xcol_s[i] = red_x[i]
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    cc4[i, j] = cc2[i, j] * T.cast(aw_s[i, j], ACCUM) + cc1[i, j] * T.cast(au_s[i, j], ACCUM)
-                T.reduce_sum(cc4, red_r, dim=1)
                 for i in T.Parallel(CHUNK):
                     dgam_s[i] = dgam_s[i] + red_r[i]
+
+                # (6) dL = -(A_r^T dA_r A_r^T), strictly lower; dKK = beta_i dL
                 T.gemm(ar_h, dar_h, cc3, transpose_A=True, clear_accum=True)
                 T.copy(cc3, dar_h)  # A_r^T dA_r over dA_r (read by the product just done)
                 T.gemm(dar_h, ar_h, cc3, transpose_B=True, clear_accum=True)
-                T.gemm(k_s, k_s, cc4, transpose_B=True, clear_accum=True)  # K K^T
                 for i, j in T.Parallel(CHUNK, CHUNK):
-                    cc3[i, j] = T.Select(i > j, -cc3[i, j], T.cast(0, ACCUM))  # dL
+                    cc3[i, j] = T.Select(i > j, -cc3[i, j], T.cast(0, ACCUM))
                     cc4[i, j] = cc3[i, j] * cc4[i, j]
-                    x_s[i, j] = T.cast(beta_s[i] * cc3[i, j], dtype)  # dKK
+                    x_s[i, j] = T.cast(beta_s[i] * cc3[i, j], dtype)
                 T.reduce_sum(cc4, red_l, dim=1)
+                # (7) dK's (dKK + dKK^T) K
+                T.wgmma_gemm(x_s, k_s, dk_f)
+                T.wgmma_gemm(x_s, k_s, dk_f, transpose_A=True)
                 for i in T.Parallel(CHUNK):
                     lrow_s[i] = red_l[i]
-                T.gemm(aw_s, w_s, dk_f, transpose_A=True)  # + A_w^T dW
-                T.gemm(x_s, k_s, dk_f)  # + dKK K
-                T.gemm(x_s, k_s, dk_f, transpose_A=True)  # + dKK^T K
+                T.wait_wgmma(0)
                 for i, d in T.Parallel(CHUNK, head_k):
                     if i < length:
                         dk_v[start + i, head, d] = dk_f[i, d]

@@ -22,6 +22,7 @@ def _script(name: str):
 STATE_OUTPUT_PROBE = _script("state_output_probe")
 FUSED_PROBE = _script("fused_probe")
 STATE_GRADS_PROBE = _script("state_grads_probe")
+FUSED_GRADS_PROBE = _script("fused_grads_probe")
 
 
 @pytest.mark.parametrize("variant", STATE_OUTPUT_PROBE.VARIANTS)
@@ -62,6 +63,16 @@ def test_state_grads_probe_compiles(block_v):
     producer_clocks = 5 if has_loader(block_v) else 7
     assert source.count("clock64") == producer_clocks + 9 * state_warpgroups(block_v)
     assert source.count(f"__sync_thread_partial({STATE_GRADS_PROBE.PROBE_BARRIER}, 256)") == 2
+
+
+def test_fused_grads_probe_compiles():
+    """The fused reverse pass with clock reads after its phases: every marker found once, one clock
+    a phase boundary (and one before the chunk loop)."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = FUSED_GRADS_PROBE.probed_builder()(128, 128, "bfloat16", "float32", False).get_kernel_source()
+    assert source.count("clock64") == len(FUSED_GRADS_PROBE.PHASES) + 1
 
 
 def test_sass_report_splits_the_code_at_each_role_s_register_count():
