@@ -177,6 +177,10 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
                     e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
+                # The factors written above are read by every thread below. TileLang's barrier for that
+                # went inside the conditional passes that follow, so where both are skipped (no L2 norm,
+                # a whole chunk) nothing separated them (a race, seen on an H200 in s54): one here.
+                T.sync_threads()
                 # With the fused L2 norm, q and k normalised in place (s54 probe: ~6k cycles a chunk
                 # went to this pass and the row clearing when both ran on every chunk). Rows past a
                 # sequence's end (the next sequence's tokens or zeros) cleared, in a sequence's last
