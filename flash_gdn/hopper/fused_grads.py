@@ -46,9 +46,8 @@ from .tiles import ACCUM, CHUNK, HALF, pair_decay
 @functools.lru_cache(maxsize=None)
 def build_fused_grads(head_k: int, head_v: int, dtype: str, gate_dtype: str, has_dht: bool):
     """Arguments ``(q, k, v, do, beta, gamma, q_norm_inv, k_norm_inv, a_r, h, w, v_new, seq_info, dht,
-    scale, normalize, dq_v, dk_v, dv, dbeta, dg, dh0)``; ``dht`` is not read without ``has_dht`` (any
-    fp32 state buffer of the shape stands in); ``normalize`` (0 or 1): the fused L2 norm's factors
-    apply to q and k (without it they are 1 and not read)."""
+    scale, dq_v, dk_v, dv, dbeta, dg, dh0)``; ``dht`` is not read without ``has_dht`` (any fp32 state
+    buffer of the shape stands in)."""
     if head_k != head_v:
         raise ValueError(f"fused_grads: head_k ({head_k}) must equal head_v ({head_v})")
     return Launcher(_fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht))
@@ -80,7 +79,6 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         dht: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
-        normalize: T.int32,
         dq_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
         dk_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
         dv: T.Tensor((tokens, num_v_heads, head_v), dtype),
@@ -177,18 +175,19 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
                     e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
-                # The factors written above are read by every thread below. TileLang's barrier for that
-                # went inside the conditional passes that follow, so where both are skipped (no L2 norm,
-                # a whole chunk) nothing separated them (a race, seen on an H200 in s54): one here.
+                # The factors written above are read by every thread below. TileLang put the barrier for
+                # that inside the conditional passes that follow, so where they were skipped (s54: the norm
+                # pass skipped without the L2 norm, a whole chunk) nothing separated them (the no-norm
+                # GPU tests failed on an H200): one here, whatever runs after it.
                 T.sync_threads()
-                # With the fused L2 norm, q and k normalised in place (s54 probe: ~6k cycles a chunk
-                # went to this pass and the row clearing when both ran on every chunk). Rows past a
-                # sequence's end (the next sequence's tokens or zeros) cleared, in a sequence's last
-                # chunk only.
-                if normalize != 0:
-                    for i, d in T.Parallel(CHUNK, head_k):
-                        q_s[i, d] = T.cast(T.cast(q_s[i, d], ACCUM) * q_inv[i], dtype)
-                        k_s[i, d] = T.cast(T.cast(k_s[i, d], ACCUM) * k_inv[i], dtype)
+                # q and k normalised in place (the inverse norms are 1 without the fused L2 norm: the
+                # pass runs either way, as it did when the GPU tests last ran on both paths, s54). Rows
+                # past a sequence's end (the next sequence's tokens or zeros) cleared, in a sequence's
+                # last chunk only (s54 probe: ~6k cycles a chunk went to these passes when the
+                # clearing ran on every chunk).
+                for i, d in T.Parallel(CHUNK, head_k):
+                    q_s[i, d] = T.cast(T.cast(q_s[i, d], ACCUM) * q_inv[i], dtype)
+                    k_s[i, d] = T.cast(T.cast(k_s[i, d], ACCUM) * k_inv[i], dtype)
                 if length < CHUNK:
                     for i, d in T.Parallel(CHUNK, head_k):
                         q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
