@@ -33,7 +33,7 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
     p, dev, dtype = problem, q.device, q.dtype
     batch, seq_len, tokens = p.batch, p.seq_len, p.batch * p.seq_len
     hqk, hv, dk, dv = p.num_qk_heads, p.num_v_heads, p.head_k, p.head_v
-    if hv % hqk or dk != 128 or dv != 128:
+    if dk != 128 or dv != 128:
         raise ValueError(f"fused_reverse_backward: K = V = 128 only (the prototype's variants), got K={dk}, V={dv}")
     gate_dtype = torch.float32  # (one gate dtype: fewer variants for the prototype)
     tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]

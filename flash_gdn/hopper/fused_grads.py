@@ -26,6 +26,9 @@ backward's). V_new and W are read rather than formed again (chunk_states and pre
 them for their own use; two products and a dependent step fewer a chunk). dq and dk leave per
 value head in fp32, with respect to the normalised q and k: the group sum and the L2 norm's
 backward follow (``fused_backward``).
+dS' stays fp32 from chunk to chunk (the four kernels store dh in the input dtype); S is the bf16
+chunk state h, also at a sequence's first chunk, where ``qk_grads`` reads the caller's fp32 h0 for
+<S, dS'> (a cancellation-prone sum, qk_grads' docstring): not done here yet.
 
 Shared memory (K = V = 128, bf16): q, k, v, dO, W (then dW), V_new, -dV_new 16 KB each, S and
 the bf16 copy of dS' 32 KB each, six 64 x 64 tiles (A_u, A_w, scale M then dQK then dKK in the
