@@ -8,25 +8,12 @@ and as kernel busy time.
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flash_gdn.bench.timing import kernel_time_ms
 from flash_gdn.hopper.backward import backward_stages
 from flash_gdn.hopper.fused_backward import fused_reverse_backward
 from flash_gdn.validation import check_inputs
-from profile_kernels import row_inputs  # scripts/ is on sys.path when run as a script
-
-
-def per_kernel(step, iters=3):
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
-    for name, us in sorted(rows, key=lambda r: -r[1])[:8]:
-        print(f"    {us:9.1f}  {name[:80]}")
+from profile_kernels import print_kernel_times, row_inputs  # scripts/ is on sys.path when run as a script
 
 
 def main(specs):
@@ -38,13 +25,13 @@ def main(specs):
         problem = check_inputs(q, k, v, g, beta, None, None, cu, False)
         steps = {
             "default": lambda: backward_stages(q, k, v, g, beta, do, None, problem, None, False, cu),
-            "fused (serial)": lambda: fused_reverse_backward(q, k, v, g, beta, do, None, problem, None, False, cu),
+            "fused": lambda: fused_reverse_backward(q, k, v, g, beta, do, None, problem, None, False, cu),
         }
         for name, step in steps.items():
             step()
             ms = kernel_time_ms(step, 5)
             print(f"{spec} {name}: {ms * 1e3:.1f} us kernel busy", flush=True)
-            per_kernel(step)
+            print_kernel_times(step, 3, most=8)
 
 
 if __name__ == "__main__":

@@ -56,16 +56,22 @@ def profile_row(spec: str, backward: bool, save: bool = False, iters: int = 5, i
     if l2:
         x["use_qk_l2norm_in_kernel"] = True
     step = row_step(x, backward, save, infer)
+    kind = "backward" if backward else "inference forward" if infer else "forward"
+    print(f"== {spec} {kind}{' (saved states)' if save else ''}{' (L2 norm in kernel)' if l2 else ''}: per call, us")
+    print_kernel_times(step, iters)
+
+
+def print_kernel_times(step, iters: int = 5, most: int | None = None) -> None:
+    """Each kernel's summed GPU time per call of ``step`` (after one untimed call), longest first
+    (the ``most`` longest), and their total."""
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    kind = "backward" if backward else "inference forward" if infer else "forward"
-    print(f"== {spec} {kind}{' (saved states)' if save else ''}{' (L2 norm in kernel)' if l2 else ''}: per call, us")
     rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
-    for name, us in sorted(rows, key=lambda r: -r[1]):
+    for name, us in sorted(rows, key=lambda r: -r[1])[:most]:
         print(f"  {us:9.1f}  {name[:90]}")
     print(f"  {sum(us for _, us in rows):9.1f}  total")
 

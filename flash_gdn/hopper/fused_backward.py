@@ -13,17 +13,12 @@ from __future__ import annotations
 import torch
 
 from ..planning import plan_for
+from ..reference.chunked_backward import l2_norm_backward
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .fused_grads import build_fused_grads
 from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, flat_inputs, launch_prepare, prepare_buffers
 from .tiles import TL_DTYPE
-
-
-def l2_norm_backward_rows(x: torch.Tensor, inv: torch.Tensor, dx_hat: torch.Tensor) -> torch.Tensor:
-    """Gradient through x_hat = x r (r = ``inv``, one per row): dx = r (dx_hat - (dx_hat . x_hat) x_hat)."""
-    x_hat = x.float() * inv[..., None]
-    return inv[..., None] * (dx_hat - (dx_hat * x_hat).sum(-1, keepdim=True) * x_hat)
 
 
 def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2: bool,
@@ -67,25 +62,9 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
     group = hv // hqk
     dq = dq_v.view(tokens, hqk, group, dk).sum(2)
     dk_sum = dk_v.view(tokens, hqk, group, dk).sum(2)
-    if use_l2:
-        # prep's inverse norms are per (q/k head, chunk, row): back to tokens through the chunk map.
-        q_inv = _rows_of_chunks(prep.q_norm_inv, plan.chunk_bounds, tokens)
-        k_inv = _rows_of_chunks(prep.k_norm_inv, plan.chunk_bounds, tokens)
-        dq = l2_norm_backward_rows(qf, q_inv, dq)
-        dk_sum = l2_norm_backward_rows(kf, k_inv, dk_sum)
+    if use_l2:  # (the norms again from q and k: a prototype's torch ops, the reference's formula)
+        dq, dk_sum = l2_norm_backward(qf.float(), dq), l2_norm_backward(kf.float(), dk_sum)
     return dict(dq=dq.to(dtype).view(batch, seq_len, hqk, dk), dk=dk_sum.to(dtype).view(batch, seq_len, hqk, dk),
                 dv=dv_out.view(batch, seq_len, hv, dv), dg=dg.view(batch, seq_len, hv),
                 dbeta=dbeta.view(batch, seq_len, hv), dh0_all=dh0)
 
-
-def _rows_of_chunks(per_chunk: torch.Tensor, chunk_bounds: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``[heads, chunks, C]`` values of the chunks' rows -> ``[tokens, heads]`` (rows past a chunk's
-    end dropped; no host synchronisation: a scatter through each row's token index)."""
-    heads, chunks, size = per_chunk.shape
-    starts, ends = chunk_bounds[:, 0].long(), chunk_bounds[:, 1].long()
-    index = starts[:, None] + torch.arange(size, device=per_chunk.device)[None, :]
-    valid = index < ends[:, None]
-    out = torch.zeros(tokens + 1, heads, dtype=per_chunk.dtype, device=per_chunk.device)
-    target = torch.where(valid, index, torch.full_like(index, tokens))  # invalid rows to a spare row
-    out.index_copy_(0, target.reshape(-1), per_chunk.permute(1, 2, 0).reshape(-1, heads))
-    return out[:tokens]

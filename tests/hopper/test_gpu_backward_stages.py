@@ -10,7 +10,7 @@ from flash_gdn.bench.timing import capture_graph
 from flash_gdn.hopper.backward import backward_stages
 from flash_gdn.reference.chunked_backward import chunked_backward
 from flash_gdn.validation import check_inputs
-from tests.gpu_helpers import poisoned
+from tests.gpu_helpers import backward_inputs, poisoned
 from tests.helpers import random_cu_seqlens, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -19,22 +19,9 @@ TOL = 1e-2
 
 
 def _run(lengths, hqk, hv, d, l2=False, h0=True, dht=True, gate=(0.0, 3.0), zero_decay_heads=1, g=None):
+    t = sum(lengths)
     dev = "cuda"
-    t, n = sum(lengths), len(lengths)
-    q = torch.randn(1, t, hqk, d, device=dev)
-    k = torch.randn(1, t, hqk, d, device=dev)
-    if not l2:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = torch.randn(1, t, hv, d, device=dev)
-    if g is None:
-        g = -(gate[0] + (gate[1] - gate[0]) * torch.rand(1, t, hv, device=dev))
-        g[..., :zero_decay_heads] = 0.0
-    beta = torch.rand(1, t, hv, device=dev)
-    do = torch.randn(1, t, hv, d, device=dev)
-    q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
-    init = torch.randn(n, hv, d, d, device=dev) if h0 else None
-    dfinal = torch.randn(n, hv, d, d, device=dev) if dht else None
-    cu = random_cu_seqlens(lengths, device=dev, dtype=torch.int32)
+    q, k, v, g, beta, do, init, dfinal, cu = backward_inputs(lengths, hqk, hv, d, l2, h0, dht, gate, zero_decay_heads, g)
     problem = check_inputs(q, k, v, g, beta, None, init, cu, False)
     with poisoned():
         got = backward_stages(q, k, v, g, beta, do, dfinal, problem, init, l2, cu, intermediates=True)

@@ -5,13 +5,12 @@ poisoned first, and two runs compared bit for bit (a race would move them)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from flash_gdn.hopper.fused_backward import fused_reverse_backward
 from flash_gdn.reference.chunked_backward import chunked_backward
 from flash_gdn.validation import check_inputs
-from tests.gpu_helpers import poisoned
-from tests.helpers import random_cu_seqlens, rel_err
+from tests.gpu_helpers import backward_inputs, poisoned
+from tests.helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -21,22 +20,7 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0_all")
 
 def _inputs(lengths, hqk, hv, l2, gate, seed):
     torch.manual_seed(seed)
-    dev, d = "cuda", 128
-    t, n = sum(lengths), len(lengths)
-    q = torch.randn(1, t, hqk, d, device=dev)
-    k = torch.randn(1, t, hqk, d, device=dev)
-    if not l2:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = torch.randn(1, t, hv, d, device=dev)
-    g = -(gate[0] + (gate[1] - gate[0]) * torch.rand(1, t, hv, device=dev))
-    g[..., :1] = 0.0  # a head without decay
-    beta = torch.rand(1, t, hv, device=dev)
-    do = torch.randn(1, t, hv, d, device=dev)
-    q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
-    init = torch.randn(n, hv, d, d, device=dev)
-    dht = torch.randn(n, hv, d, d, device=dev)
-    cu = random_cu_seqlens(lengths, device=dev, dtype=torch.int32)
-    return q, k, v, g, beta, do, init, dht, cu
+    return backward_inputs(lengths, hqk, hv, 128, l2, gate=gate)
 
 
 @pytest.mark.parametrize("l2", [False, True])
