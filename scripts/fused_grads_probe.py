@@ -16,7 +16,7 @@ import os
 import sys
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "fused_grads.py")
-PHASES = ("loads", "factors + tile passes + A_u/A_w + dS' copy", "group 1 issue + <S, dS'>", "group 1 wait",
+PHASES = ("load waits", "factors + tile passes + A_u/A_w + dS' copy", "group 1 issue + <S, dS'>", "group 1 wait",
           "M, dM, de passes + reductions", "group 2 + dQK, D dO, decay", "group 3 + dQ", "group 4 + dV, dK, dW",
           "group 5 + G passes", "dL, group 7, dK store", "dbeta, dg")
 IND = " " * 16
@@ -36,7 +36,7 @@ def probed_source() -> str:
     """The kernel's source with the clock reads and the dh0 write-out."""
     s = open(SOURCE).read()
     after = (
-        (f"{IND}T.copy(k_norm_inv[qk_head, chunk, 0:CHUNK], k_inv)\n", 0),
+        (f"{IND}T.mbarrier_wait_parity(end_ready, c % 2)\n", 0),
         (f"{IND}T.copy(ds, ds_s)\n", 1),
         (f"{IND}    dgsum_s[tx // 32] = part\n", 2),
         (f"{IND}    dg[start + i, head] = dgsum_s[i]\n", 10),

@@ -1,7 +1,9 @@
 """The backward in one reverse pass per (sequence, value head): step 1 of the fused reverse pass
-(docs/performance.md, "What limits the backward", item 4; plan s49). No warpgroup roles and no
-pipelined loads: all 256 threads do every phase in order, the products in seven groups, each
-group issued together and waited for once. It checks the fused formulas against
+(docs/performance.md, "What limits the backward", item 4; plan s49). No warpgroup roles: all 256
+threads do every phase in order, the products in seven groups, each group issued together and
+waited for once. The tiles come by TMA a chunk ahead, in two sets on two mbarriers (one phase a
+chunk): q, h, v, dO and V_new once group 4 has read them last, k, W, A_r and the factor rows once
+group 7 has (s55: the loads' ~7-11k cycles a chunk step down to ~1-1.5k of waiting). It checks the fused formulas against
 ``reference.chunked_backward`` and sets the registers and shared memory a role-split version
 will have to fit; it is not the default path.
 
@@ -33,7 +35,8 @@ chunk state h, also at a sequence's first chunk, where ``qk_grads`` reads the ca
 Shared memory (K = V = 128, bf16): q, k, v, dO, W (then dW), V_new, -dV_new 16 KB each, S and
 the bf16 copy of dS' 32 KB each, six 64 x 64 tiles (A_u, A_w, scale M then dQK then dKK in the
 input dtype; A_r, and dA_r then A_r^T dA_r, in fp16): 216 KB, and TileLang's reduction
-workspaces (1 KB each) take most of the rest of the 227 KB a CTA may have. Where a product
+workspaces (1 KB each) take most of the rest of the 227 KB a CTA may have, less the 1 KB that the
+two mbarriers' static shared memory takes (beta and E live over the inverse norms' rows). Where a product
 needs a row factor over its contraction (D on Q for (D Q)^T dO), it goes on dO's tile in place
 once dO's raw uses are done.
 """
@@ -44,6 +47,31 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, HALF, pair_decay
+
+
+@T.macro
+def _issue_late_tiles(q, h, v, do, v_new, q_s, h_s, v_s, do_s, vn_s, ready, chunk, start, head, qk_head, head_k, head_v):
+    """A chunk's q, h, v, dO and V_new by TMA on ``ready`` (each thread arrives once): the tiles whose
+    last reader in the chunk before is group 4's pass, so they load under groups 5-7."""
+    T.tma_copy(q[start:start + CHUNK, qk_head, 0:head_k], q_s, barrier=ready)
+    T.tma_copy(h[chunk, head, 0:head_k, 0:head_v], h_s, barrier=ready)
+    T.tma_copy(v[start:start + CHUNK, head, 0:head_v], v_s, barrier=ready)
+    T.tma_copy(do[start:start + CHUNK, head, 0:head_v], do_s, barrier=ready)
+    T.tma_copy(v_new[start:start + CHUNK, head, 0:head_v], vn_s, barrier=ready)
+    T.barrier_arrive(ready)
+
+
+@T.macro
+def _issue_end_tiles(k, w, a_r, gamma, q_norm_inv, k_norm_inv, k_s, w_s, ar_h, gamma_s, q_inv, k_inv, ready, chunk,
+                     start, head, qk_head, head_k):
+    """A chunk's k, W, A_r and factor rows by TMA on ``ready``: read until the chunk before's end."""
+    T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_s, barrier=ready)
+    T.tma_copy(w[start:start + CHUNK, head, 0:head_k], w_s, barrier=ready)
+    T.tma_copy(a_r[chunk, head, 0:CHUNK, 0:CHUNK], ar_h, barrier=ready)
+    T.tma_copy(gamma[head, chunk, 0:CHUNK], gamma_s, barrier=ready)
+    T.tma_copy(q_norm_inv[qk_head, chunk, 0:CHUNK], q_inv, barrier=ready)
+    T.tma_copy(k_norm_inv[qk_head, chunk, 0:CHUNK], k_inv, barrier=ready)
+    T.barrier_arrive(ready)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,13 +135,15 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             gamma_s = T.alloc_shared((CHUNK,), ACCUM)
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
-            beta_s = T.alloc_shared((CHUNK,), ACCUM)
-            e_s = T.alloc_shared((CHUNK,), ACCUM)  # E_i = e^(gamma_C - gamma_i), 0 past the end
+            # beta and E_i = e^(gamma_C - gamma_i) (0 past the end) over the inverse norms once the
+            # normalising pass has read them: both are last read before the next chunk's TMA into them
+            # (with the TMA's barrier objects, outside this dynamic buffer, 512 bytes short otherwise)
+            beta_s = k_inv
+            e_s = q_inv
             de_s = T.alloc_shared((CHUNK,), ACCUM)
             dgam_s = T.alloc_shared((CHUNK,), ACCUM)
             dgsum_s = T.alloc_shared((CHUNK,), ACCUM)
-            xcol_s = T.alloc_shared((CHUNK,), ACCUM)
-            lrow_s = T.alloc_shared((CHUNK,), ACCUM)
+            dbeta_s = T.alloc_shared((CHUNK,), ACCUM)  # dbeta's column terms, then its row terms added
             ds = T.alloc_fragment((head_k, head_v), ACCUM)
             acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
             acc2 = T.alloc_fragment((CHUNK, head_k), ACCUM)
@@ -146,6 +176,8 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             s8 = T.alloc_local((8,), dtype)
             qk_head = T.alloc_var("int32")
 
+            late_ready = T.alloc_barrier(threads)
+            end_ready = T.alloc_barrier(threads)
             tx = T.get_thread_binding()
             qk_head = head // (num_v_heads // num_qk_heads)
             seq_start = seq_info[seq, 0]
@@ -158,31 +190,24 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             else:
                 T.clear(ds)
 
+            # The last chunk's tiles by TMA; each later chunk's are issued in the chunk after it (walking
+            # backwards), as soon as their buffers' last readers are done (two barriers, one phase a chunk).
+            if num_seq_chunks > 0:
+                chunk = first_chunk + num_seq_chunks - 1
+                start = seq_start + (num_seq_chunks - 1) * CHUNK
+                _issue_late_tiles(q, h, v, do, v_new, q_s, h_s, v_s, do_s, vn_s, late_ready, chunk, start, head,
+                                  qk_head, head_k, head_v)
+                _issue_end_tiles(k, w, a_r, gamma, q_norm_inv, k_norm_inv, k_s, w_s, ar_h, gamma_s, q_inv, k_inv,
+                                 end_ready, chunk, start, head, qk_head, head_k)
+
             for c in T.serial(num_seq_chunks):
                 # Chunk num_seq_chunks - 1 - c: last to first.
                 chunk = first_chunk + num_seq_chunks - 1 - c
                 start = seq_start + (num_seq_chunks - 1 - c) * CHUNK
                 length = T.min(seq_end - start, CHUNK)
-                T.copy(q[start:start + CHUNK, qk_head, 0:head_k], q_s)
-                T.copy(k[start:start + CHUNK, qk_head, 0:head_k], k_s)
-                T.copy(v[start:start + CHUNK, head, 0:head_v], v_s)
-                T.copy(do[start:start + CHUNK, head, 0:head_v], do_s)
-                T.copy(w[start:start + CHUNK, head, 0:head_k], w_s)
-                T.copy(v_new[start:start + CHUNK, head, 0:head_v], vn_s)
-                T.copy(h[chunk, head, 0:head_k, 0:head_v], h_s)
-                T.copy(a_r[chunk, head, 0:CHUNK, 0:CHUNK], ar_h)
-                T.copy(gamma[head, chunk, 0:CHUNK], gamma_s)
-                T.copy(q_norm_inv[qk_head, chunk, 0:CHUNK], q_inv)
-                T.copy(k_norm_inv[qk_head, chunk, 0:CHUNK], k_inv)
+                T.mbarrier_wait_parity(late_ready, c % 2)
+                T.mbarrier_wait_parity(end_ready, c % 2)
                 gamma_last = gamma_s[length - 1]
-                for i in T.Parallel(CHUNK):
-                    beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
-                    e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
-                # The factors written above are read by every thread below. TileLang put the barrier for
-                # that inside the conditional passes that follow, so where they were skipped (s54: the norm
-                # pass skipped without the L2 norm, a whole chunk) nothing separated them (the no-norm
-                # GPU tests failed on an H200): one here, whatever runs after it.
-                T.sync_threads()
                 # q and k normalised in place (the inverse norms are 1 without the fused L2 norm: the
                 # pass runs either way, as it did when the GPU tests last ran on both paths, s54). Rows
                 # past a sequence's end (the next sequence's tokens or zeros) cleared, in a sequence's
@@ -200,6 +225,15 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                         v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
                         do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
                         vn_s[i, d] = T.if_then_else(i < length, vn_s[i, d], T.cast(0, dtype))
+                T.sync_threads()  # every read of the inverse norms done before beta and E go over them
+                for i in T.Parallel(CHUNK):
+                    beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
+                    e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
+                # The factors written above are read by every thread below. TileLang put the barrier for
+                # that inside the conditional passes that follow, so where they were skipped (s54: the norm
+                # pass skipped without the L2 norm, a whole chunk) nothing separated them (the no-norm
+                # GPU tests failed on an H200): one here, whatever runs after it.
+                T.sync_threads()
                 # A_u = Gamma * A_r * beta_j and A_w = e^gamma_i A_r beta_j, lower incl. diagonal
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     cc1[i, j] = (T.cast(ar_h[i, j], ACCUM) * beta_s[j]
@@ -296,6 +330,13 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i, d in T.Parallel(CHUNK, head_v):
                     acc3[i, d] = acc3[i, d] * T.cast(v_s[i, d], ACCUM)
                 T.reduce_sum(acc3, red_vd, dim=1)
+                # q, h, v, dO and V_new are read for the last time above: the next chunk's go out now
+                # (every thread's generic-proxy writes fenced before TMA's, then all past their reads).
+                T.fence_proxy_async()
+                T.sync_threads()
+                if c + 1 < num_seq_chunks:
+                    _issue_late_tiles(q, h, v, do, v_new, q_s, h_s, v_s, do_s, vn_s, late_ready, chunk - 1,
+                                      start - CHUNK, head, qk_head, head_k, head_v)
                 for i in T.Parallel(CHUNK):
                     dgam_s[i] = dgam_s[i] + red_qs[i]
                 for i in T.Parallel(CHUNK):
@@ -319,7 +360,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                     mf[i, j] = cc2[i, j] * T.cast(aw_s[i, j], ACCUM) + cc1[i, j] * T.cast(au_s[i, j], ACCUM)
                 T.reduce_sum(mf, red_r, dim=1)
                 for i in T.Parallel(CHUNK):
-                    xcol_s[i] = red_x[i]
+                    dbeta_s[i] = red_x[i]
                 for i in T.Parallel(CHUNK):
                     dgam_s[i] = dgam_s[i] + red_r[i]
 
@@ -336,8 +377,14 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 T.wgmma_gemm(x_s, k_s, dk_f)
                 T.wgmma_gemm(x_s, k_s, dk_f, transpose_A=True)
                 for i in T.Parallel(CHUNK):
-                    lrow_s[i] = red_l[i]
+                    dbeta_s[i] = dbeta_s[i] + red_l[i]
                 T.wait_wgmma(0)
+                # k, W, A_r and the factor rows are done with: the next chunk's go out.
+                T.fence_proxy_async()
+                T.sync_threads()
+                if c + 1 < num_seq_chunks:
+                    _issue_end_tiles(k, w, a_r, gamma, q_norm_inv, k_norm_inv, k_s, w_s, ar_h, gamma_s, q_inv, k_inv,
+                                     end_ready, chunk - 1, start - CHUNK, head, qk_head, head_k)
                 for i, d in T.Parallel(CHUNK, head_k):
                     if i < length:
                         dk_v[start + i, head, d] = dk_f[i, d]
@@ -354,7 +401,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 T.cumsum(dgam_s, dgsum_s, reverse=True)
                 for i in T.Parallel(CHUNK):
                     if i < length:
-                        dbeta[start + i, head] = lrow_s[i] + xcol_s[i]
+                        dbeta[start + i, head] = dbeta_s[i]
                         dg[start + i, head] = dgsum_s[i]
 
             for i, j in T.Parallel(head_k, head_v):
