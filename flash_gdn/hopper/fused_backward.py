@@ -56,7 +56,7 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
     dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     build_fused_grads(dk, dv, tl_dtype, gate_tl, dht32 is not None)(
         qf, kf, vf, dof, bf, prep.gamma, prep.q_norm_inv, prep.k_norm_inv, prep.a_r, h, prep.w, v_new, plan.seq_info,
-        dh0 if dht32 is None else dht32, p.scale, dq_v, dk_v, dv_out, dbeta, dg, dh0)
+        dh0 if dht32 is None else dht32, p.scale, int(use_l2), dq_v, dk_v, dv_out, dbeta, dg, dh0)
 
     # The group sum over the value heads that share a q/k head, then the L2 norm's backward.
     group = hv // hqk

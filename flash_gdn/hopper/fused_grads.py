@@ -77,8 +77,9 @@ def _issue_end_tiles(k, w, a_r, gamma, q_norm_inv, k_norm_inv, k_s, w_s, ar_h, g
 @functools.lru_cache(maxsize=None)
 def build_fused_grads(head_k: int, head_v: int, dtype: str, gate_dtype: str, has_dht: bool):
     """Arguments ``(q, k, v, do, beta, gamma, q_norm_inv, k_norm_inv, a_r, h, w, v_new, seq_info, dht,
-    scale, dq_v, dk_v, dv, dbeta, dg, dh0)``; ``dht`` is not read without ``has_dht`` (any fp32 state
-    buffer of the shape stands in)."""
+    scale, normalize, dq_v, dk_v, dv, dbeta, dg, dh0)``; ``dht`` is not read without ``has_dht`` (any fp32
+    state buffer of the shape stands in); ``normalize`` (int, the fused L2 norm): without it the q and k
+    tiles are used as loaded (the inverse norms are not read)."""
     if head_k != head_v:
         raise ValueError(f"fused_grads: head_k ({head_k}) must equal head_v ({head_v})")
     return Launcher(_fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht))
@@ -110,6 +111,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         dht: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
+        normalize: T.int32,
         dq_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
         dk_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
         dv: T.Tensor((tokens, num_v_heads, head_v), dtype),
@@ -208,14 +210,16 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 T.mbarrier_wait_parity(late_ready, c % 2)
                 T.mbarrier_wait_parity(end_ready, c % 2)
                 gamma_last = gamma_s[length - 1]
-                # q and k normalised in place (the inverse norms are 1 without the fused L2 norm: the
-                # pass runs either way, as it did when the GPU tests last ran on both paths, s54). Rows
+                # q and k normalised in place with the fused L2 norm (s54's no-norm failures came from
+                # a barrier TileLang had put inside this conditional; the explicit barriers below
+                # separate everything written here from its readers whether it runs or not). Rows
                 # past a sequence's end (the next sequence's tokens or zeros) cleared, in a sequence's
                 # last chunk only (s54 probe: ~6k cycles a chunk went to these passes when the
                 # clearing ran on every chunk).
-                for i, d in T.Parallel(CHUNK, head_k):
-                    q_s[i, d] = T.cast(T.cast(q_s[i, d], ACCUM) * q_inv[i], dtype)
-                    k_s[i, d] = T.cast(T.cast(k_s[i, d], ACCUM) * k_inv[i], dtype)
+                if normalize != 0:
+                    for i, d in T.Parallel(CHUNK, head_k):
+                        q_s[i, d] = T.cast(T.cast(q_s[i, d], ACCUM) * q_inv[i], dtype)
+                        k_s[i, d] = T.cast(T.cast(k_s[i, d], ACCUM) * k_inv[i], dtype)
                 if length < CHUNK:
                     for i, d in T.Parallel(CHUNK, head_k):
                         q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
@@ -390,14 +394,19 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                         dk_v[start + i, head, d] = dk_f[i, d]
 
                 # --- dbeta; dg = reverse cumsum of dgamma, gamma_C's terms on the chunk's last row
-                if tx == 0:
-                    part = T.cast(0, ACCUM)
-                    for e in T.serial(threads // 32):
-                        part = part + dgsum_s[e]
-                    part = part * T.__exp(gamma_last)
-                    for e in T.serial(CHUNK):
-                        part = part + de_s[e]
-                    dgam_s[length - 1] = dgam_s[length - 1] + part
+                # (one warp: sum of de and the warps' <S, dS'> partials by shuffles; s55: thread 0 alone,
+                # ~70 dependent shared-memory reads, was most of this phase's ~2-2.7k cycles)
+                if tx < 32:
+                    part = de_s[tx] + de_s[tx + 32]
+                    if tx < threads // 32:
+                        part = part + dgsum_s[tx] * T.__exp(gamma_last)
+                    part = part + T.shfl_xor(part, 16)
+                    part = part + T.shfl_xor(part, 8)
+                    part = part + T.shfl_xor(part, 4)
+                    part = part + T.shfl_xor(part, 2)
+                    part = part + T.shfl_xor(part, 1)
+                    if tx == 0:
+                        dgam_s[length - 1] = dgam_s[length - 1] + part
                 T.cumsum(dgam_s, dgsum_s, reverse=True)
                 for i in T.Parallel(CHUNK):
                     if i < length:
