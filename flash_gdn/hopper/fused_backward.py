@@ -1,8 +1,8 @@
 """Host side of the fused reverse pass (``fused_grads``, step 1 of the plan in docs/performance.md):
 ``prepare_wu`` (gamma, the inverse norms, A_r, W and A_g), ``chunk_states``
 (every chunk's start state h and V_new), then one ``fused_grads`` pass per (sequence, value head) for all
-the gradients. No context parallelism yet, so one CTA per sequence and value head; the group sum
-of dq and dk and the L2 norm's backward are torch ops here (a kernel of their own later).
+the gradients, and ``group_grads`` for the group sum of dq and dk and the L2 norm's backward. No
+context parallelism yet, so one CTA per sequence and value head.
 
 Not the default backward: ``backward_stages`` is. This path exists to check the fused formulas
 on a GPU and to time the serial pass (``scripts/fused_backward_time.py``).
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..planning import plan_for
-from ..reference.chunked_backward import l2_norm_backward
 from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .fused_grads import build_fused_grads
+from .group_grads import build_group_grads
 from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, flat_inputs, launch_prepare, prepare_buffers
 from .tiles import TL_DTYPE
 
@@ -59,12 +59,10 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
         dh0 if dht32 is None else dht32, p.scale, int(use_l2), dq_v, dk_v, dv_out, dbeta, dg, dh0)
 
     # The group sum over the value heads that share a q/k head, then the L2 norm's backward.
-    group = hv // hqk
-    dq = dq_v.view(tokens, hqk, group, dk).sum(2)
-    dk_sum = dk_v.view(tokens, hqk, group, dk).sum(2)
-    if use_l2:  # (the norms again from q and k: a prototype's torch ops, the reference's formula)
-        dq, dk_sum = l2_norm_backward(qf.float(), dq), l2_norm_backward(kf.float(), dk_sum)
-    return dict(dq=dq.to(dtype).view(batch, seq_len, hqk, dk), dk=dk_sum.to(dtype).view(batch, seq_len, hqk, dk),
+    dq = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
+    dk_sum = torch.empty(tokens, hqk, dk, dtype=dtype, device=dev)
+    build_group_grads(dk, tl_dtype)(qf, kf, dq_v, dk_v, int(use_l2), dq, dk_sum)
+    return dict(dq=dq.view(batch, seq_len, hqk, dk), dk=dk_sum.view(batch, seq_len, hqk, dk),
                 dv=dv_out.view(batch, seq_len, hv, dv), dg=dg.view(batch, seq_len, hv),
                 dbeta=dbeta.view(batch, seq_len, hv), dh0_all=dh0)
 

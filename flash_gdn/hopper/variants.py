@@ -12,6 +12,7 @@ from .backward import STATE_BLOCKS
 from .chunk_states import build_chunk_states
 from .forward_fused import build_forward_fused
 from .fused_grads import build_fused_grads
+from .group_grads import build_group_grads
 from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
@@ -100,7 +101,7 @@ def prototype_builders(head_dim: int, dtype: str):
     if head_dim != 128:
         return []
     return [(f"fused_grads[{dtype},dht={dht}]", lambda dht=dht: build_fused_grads(head_dim, head_dim, dtype, "float32", dht))
-            for dht in (False, True)]
+            for dht in (False, True)] + [(f"group_grads[{dtype}]", lambda: build_group_grads(head_dim, dtype))]
 
 
 def backward_kernel_builders(head_dim: int, dtype: str):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flash_gdn.hopper.fused_backward import fused_reverse_backward
-from flash_gdn.reference.chunked_backward import chunked_backward
+from flash_gdn.hopper.group_grads import build_group_grads
+from flash_gdn.reference.chunked_backward import chunked_backward, l2_norm_backward
 from flash_gdn.validation import check_inputs
 from tests.gpu_helpers import backward_inputs, poisoned
 from tests.helpers import rel_err
@@ -53,3 +54,21 @@ def test_fused_reverse_pass_without_states():
     ref = chunked_backward(q, k, v, g, beta, do, cu_seqlens=cu.cpu())
     for name, want in zip(NAMES[:5], ref[:5]):
         assert rel_err(got[name], want) <= TOL, (name, rel_err(got[name], want))
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("hqk,hv,tokens", [(2, 2, 1), (1, 4, 77), (2, 8, 300)])
+def test_group_grads_matches_torch(normalize, hqk, hv, tokens):
+    """The group sum and the L2 norm's backward alone, against fp64 torch: token counts off the
+    kernel's 32-row blocks, group sizes 1, 4 and 4 over two q/k heads; outputs NaN first."""
+    torch.manual_seed(tokens + hv)
+    q, k = (torch.randn(tokens, hqk, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
+    dq_v, dk_v = (torch.randn(tokens, hv, 128, device="cuda") for _ in range(2))
+    dq, dk = (torch.full((tokens, hqk, 128), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    build_group_grads(128, "bfloat16")(q, k, dq_v, dk_v, int(normalize), dq, dk)
+    for x, x_v, out in ((q, dq_v, dq), (k, dk_v, dk)):
+        want = x_v.double().view(tokens, hqk, hv // hqk, 128).sum(2)
+        if normalize:
+            want = l2_norm_backward(x.double(), want)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, want) <= TOL, rel_err(out, want)
