@@ -27,7 +27,7 @@ No gradient intermediate goes through HBM (dh, dV_new, dK_wy, dgamma_wy: the fou
 backward's). V_new and W are read rather than formed again (chunk_states and prepare_wu write
 them for their own use; two products and a dependent step fewer a chunk). dq and dk leave per
 value head in fp32, with respect to the normalised q and k: the group sum and the L2 norm's
-backward follow (``fused_backward``).
+backward follow (``group_grads``).
 dS' stays fp32 from chunk to chunk (the four kernels store dh in the input dtype); S is the bf16
 chunk state h, also at a sequence's first chunk, where ``qk_grads`` reads the caller's fp32 h0 for
 <S, dS'> (a cancellation-prone sum, qk_grads' docstring): not done here yet.
