@@ -3,8 +3,8 @@
 threads do every phase in order, the products in seven groups, each group issued together and
 waited for once. The tiles come by TMA a chunk ahead, in two sets on two mbarriers (one phase a
 chunk): q, h, v, dO and V_new once group 4 has read them last, k, W, A_r and the factor rows once
-group 7 has (s55: the loads' ~7-11k cycles a chunk step down to ~1-1.5k of waiting). It checks the fused formulas against
-``reference.chunked_backward`` and sets the registers and shared memory a role-split version
+group 7 has (s55: the loads' ~7-11k cycles a chunk step down to ~1-1.5k of waiting). It checks
+the fused formulas against ``reference.chunked_backward`` and sets the registers and shared memory a role-split version
 will have to fit; it is not the default path.
 
 One CTA per (sequence, value head) walks its chunks last to first with the gradient of the
@@ -50,7 +50,8 @@ from .tiles import ACCUM, CHUNK, HALF, pair_decay
 
 
 @T.macro
-def _issue_late_tiles(q, h, v, do, v_new, q_s, h_s, v_s, do_s, vn_s, ready, chunk, start, head, qk_head, head_k, head_v):
+def _issue_late_tiles(q, h, v, do, v_new, q_s, h_s, v_s, do_s, vn_s, ready, chunk, start, head, qk_head, head_k,
+                      head_v):
     """A chunk's q, h, v, dO and V_new by TMA on ``ready`` (each thread arrives once): the tiles whose
     last reader in the chunk before is group 4's pass, so they load under groups 5-7."""
     T.tma_copy(q[start:start + CHUNK, qk_head, 0:head_k], q_s, barrier=ready)
@@ -233,10 +234,9 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i in T.Parallel(CHUNK):
                     beta_s[i] = T.if_then_else(i < length, T.cast(beta[start + i, head], ACCUM), T.cast(0, ACCUM))
                     e_s[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]), T.cast(0, ACCUM))
-                # The factors written above are read by every thread below. TileLang put the barrier for
-                # that inside the conditional passes that follow, so where they were skipped (s54: the norm
-                # pass skipped without the L2 norm, a whole chunk) nothing separated them (the no-norm
-                # GPU tests failed on an H200): one here, whatever runs after it.
+                # The factors written above are read by every thread below: an explicit barrier (s54:
+                # TileLang's own one for them sat inside a conditional pass, which the no-norm path
+                # skipped, and those GPU tests failed on an H200).
                 T.sync_threads()
                 # A_u = Gamma * A_r * beta_j and A_w = e^gamma_i A_r beta_j, lower incl. diagonal
                 for i, j in T.Parallel(CHUNK, CHUNK):

@@ -44,7 +44,8 @@ def _group_rows(x, dx_v, dx, acc, prod, red_n, red_d, r_s, rd_s, t0, qk_head, gr
             prod[i, d] = prod[i, d] * prod[i, d]
         T.reduce_sum(prod, red_n, dim=1)  # |x|^2
         for i, d in T.Parallel(ROWS_PER_CTA, head_k):
-            prod[i, d] = T.if_then_else(t0 + i < tokens, T.cast(x[t0 + i, qk_head, d], ACCUM), T.cast(0, ACCUM)) * acc[i, d]
+            prod[i, d] = T.if_then_else(t0 + i < tokens, T.cast(x[t0 + i, qk_head, d], ACCUM),
+                                        T.cast(0, ACCUM)) * acc[i, d]
         T.reduce_sum(prod, red_d, dim=1)  # x . dy
         for i in T.Parallel(ROWS_PER_CTA):
             r_s[i] = 1 / T.sqrt(red_n[i] + NORM_EPS)
