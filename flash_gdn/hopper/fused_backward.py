@@ -49,8 +49,8 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
 
     dof = do.reshape(tokens, hv, dv).to(dtype).contiguous()
     dht32 = None if dht is None else dht.float().contiguous()
-    dq_v = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
-    dk_v = torch.empty(tokens, hv, dk, dtype=torch.float32, device=dev)
+    dq_v = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)  # (per value head in the input dtype: half the bytes)
+    dk_v = torch.empty(tokens, hv, dk, dtype=dtype, device=dev)
     dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
     dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
     dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)

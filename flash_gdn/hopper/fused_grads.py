@@ -26,17 +26,20 @@ norms, the gate-free inverse A_r and W (``prepare_wu``), the chunk's start state
 No gradient intermediate goes through HBM (dh, dV_new, dK_wy, dgamma_wy: the four-kernel
 backward's). V_new and W are read rather than formed again (chunk_states and prepare_wu write
 them for their own use; two products and a dependent step fewer a chunk). dq and dk leave per
-value head in fp32, with respect to the normalised q and k: the group sum and the L2 norm's
-backward follow (``group_grads``).
+value head in the input dtype (half the bytes of fp32 for the pass's stores and ``group_grads``'
+reads), with respect to the normalised q and k: the group sum and the L2 norm's backward follow
+(``group_grads``).
 dS' stays fp32 from chunk to chunk (the four kernels store dh in the input dtype); S is the bf16
 chunk state h, also at a sequence's first chunk, where ``qk_grads`` reads the caller's fp32 h0 for
 <S, dS'> (a cancellation-prone sum, qk_grads' docstring): not done here yet.
 
 Shared memory (K = V = 128, bf16): q, k, v, dO, W (then dW), V_new, -dV_new 16 KB each, S and
 the bf16 copy of dS' 32 KB each, six 64 x 64 tiles (A_u, A_w, scale M then dQK then dKK in the
-input dtype; A_r, and dA_r then A_r^T dA_r, in fp16): 216 KB, and TileLang's reduction
-workspaces (1 KB each) take most of the rest of the 227 KB a CTA may have, less the 1 KB that the
-two mbarriers' static shared memory takes (beta and E live over the inverse norms' rows). Where a product
+input dtype; A_r, and dA_r then A_r^T dA_r, in fp16): 216 KB. The row and column sums of dgamma
+and dbeta leave their partials in a 5.25 KB buffer (``REDUCE_PRELUDE``: no TileLang reductions, whose
+1 KB workspace each and ~120 barriers a chunk step s55 counted), combined once a chunk; ~3.5 KB of
+the 227 KB a CTA may have are left, beside the 1 KB that the two mbarriers' static shared memory
+takes (beta and E live over the inverse norms' rows). Where a product
 needs a row factor over its contraction (D on Q for (D Q)^T dO), it goes on dO's tile in place
 once dO's raw uses are done.
 """
@@ -47,6 +50,81 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 from .tiles import ACCUM, CHUNK, HALF, pair_decay
+
+
+# Row and column sums of the chunk's fp32 wgmma accumulators without TileLang's reductions (s55: a
+# `T.reduce_sum` puts a __syncthreads() and two named barriers around every element a thread holds,
+# ~6 barriers a row sum and ~40 a column sum of a 64-row fragment, ~120 a chunk step). The fragments
+# here are 64 x N accumulators of the CTA's two warpgroups, the columns split in halves: thread t of
+# warpgroup g = t / 128, warp w = (t % 128) / 32, lane l holds, for each 8-column block n < N / 16 and
+# half h, (row 16 w + 8 h + l / 4, column g N / 2 + 8 n + 2 (l % 4) + e) at acc[4 n + 2 h + e]
+# (TileLang's layout for them; the generated CUDA indexes them so). Each function leaves partial sums
+# in shared memory, combined later by plain reads after a barrier the kernel has anyway, in a fixed
+# order (bitwise repeatable):
+# - ``fgdn_row_partials_<N>``: out[64 g + row] = the row's sum over warpgroup g's columns (2 x 64);
+# - ``fgdn_col_partials_<N>``: out[64 w + column] = the column's sum over warp w's 16 rows (4 x 64).
+REDUCE_PRELUDE = r"""
+template <int NB>
+__device__ __forceinline__ void fgdn_row_partials(const float* acc, void* buf, int offset) {
+  float* out = static_cast<float*>(buf) + offset;
+  const int t = threadIdx.x, g = t >> 7, w = (t & 127) >> 5, l = t & 31;
+  float s0 = 0.f, s1 = 0.f;
+  #pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    s0 += acc[4 * n] + acc[4 * n + 1];
+    s1 += acc[4 * n + 2] + acc[4 * n + 3];
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  if ((l & 3) == 0) {
+    out[64 * g + 16 * w + (l >> 2)] = s0;
+    out[64 * g + 16 * w + 8 + (l >> 2)] = s1;
+  }
+}
+template <int NB>
+__device__ __forceinline__ void fgdn_col_partials(const float* acc, void* buf, int offset) {
+  float* out = static_cast<float*>(buf) + offset;
+  const int t = threadIdx.x, g = t >> 7, w = (t & 127) >> 5, l = t & 31;
+  #pragma unroll
+  for (int n = 0; n < NB; ++n) {
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float c = acc[4 * n + e] + acc[4 * n + 2 + e];
+      c += __shfl_xor_sync(0xffffffffu, c, 4);
+      c += __shfl_xor_sync(0xffffffffu, c, 8);
+      c += __shfl_xor_sync(0xffffffffu, c, 16);
+      if (l < 4) out[64 * w + 8 * NB * g + 8 * n + 2 * l + e] = c;
+    }
+  }
+}
+__device__ __forceinline__ void fgdn_row_partials_64(const float* acc, void* buf, int offset) {
+  fgdn_row_partials<4>(acc, buf, offset);
+}
+__device__ __forceinline__ void fgdn_row_partials_128(const float* acc, void* buf, int offset) {
+  fgdn_row_partials<8>(acc, buf, offset);
+}
+__device__ __forceinline__ void fgdn_col_partials_64(const float* acc, void* buf, int offset) {
+  fgdn_col_partials<4>(acc, buf, offset);
+}
+"""
+# Rows of the partial sums' shared buffer (``red_s``): per term its first row; a row sum takes two
+# rows (one a warpgroup), a column sum four (one a warp); the last row holds dg's chunk-end term.
+P_DE, P_MR, P_MC, P_QS, P_VD, P_X, P_R, P_L, P_END = 0, 2, 4, 8, 10, 12, 16, 18, 20
+PARTIAL_ROWS = 21
+
+
+@T.macro
+def _row_partials(frag, red_s, row, cols):
+    """Row sums of the 64 x ``cols`` accumulator ``frag`` into rows ``row``, ``row`` + 1 of ``red_s``."""
+    T.call_extern("handle", f"fgdn_row_partials_{cols}", frag.data, red_s.data, row * CHUNK)
+
+
+@T.macro
+def _col_partials(frag, red_s, row):
+    """Column sums of the 64 x 64 accumulator ``frag`` into rows ``row`` .. ``row`` + 3 of ``red_s``."""
+    T.call_extern("handle", "fgdn_col_partials_64", frag.data, red_s.data, row * CHUNK)
 
 
 @T.macro
@@ -113,14 +191,14 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
         dht: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
         normalize: T.int32,
-        dq_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
-        dk_v: T.Tensor((tokens, num_v_heads, head_k), ACCUM),
+        dq_v: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        dk_v: T.Tensor((tokens, num_v_heads, head_k), dtype),
         dv: T.Tensor((tokens, num_v_heads, head_v), dtype),
         dbeta: T.Tensor((tokens, num_v_heads), ACCUM),
         dg: T.Tensor((tokens, num_v_heads), ACCUM),
         dh0: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
-        with T.Kernel(num_seqs, num_v_heads, threads=threads) as (seq, head):
+        with T.Kernel(num_seqs, num_v_heads, threads=threads, prelude=REDUCE_PRELUDE) as (seq, head):
             q_s = T.alloc_shared((CHUNK, head_k), dtype)
             k_s = T.alloc_shared((CHUNK, head_k), dtype)
             v_s = T.alloc_shared((CHUNK, head_v), dtype)
@@ -143,10 +221,9 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             # (with the TMA's barrier objects, outside this dynamic buffer, 512 bytes short otherwise)
             beta_s = k_inv
             e_s = q_inv
-            de_s = T.alloc_shared((CHUNK,), ACCUM)
             dgam_s = T.alloc_shared((CHUNK,), ACCUM)
             dgsum_s = T.alloc_shared((CHUNK,), ACCUM)
-            dbeta_s = T.alloc_shared((CHUNK,), ACCUM)  # dbeta's column terms, then its row terms added
+            red_s = T.alloc_shared((PARTIAL_ROWS, CHUNK), ACCUM)  # the sums' partials (P_*)
             ds = T.alloc_fragment((head_k, head_v), ACCUM)
             acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
             acc2 = T.alloc_fragment((CHUNK, head_k), ACCUM)
@@ -157,15 +234,6 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
             cc2 = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             cc3 = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             cc4 = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-            # one reduction target per use: a row and a column sum need different layouts
-            red_de = T.alloc_fragment((CHUNK,), ACCUM)
-            red_mr = T.alloc_fragment((CHUNK,), ACCUM)
-            red_mc = T.alloc_fragment((CHUNK,), ACCUM)
-            red_qs = T.alloc_fragment((CHUNK,), ACCUM)
-            red_vd = T.alloc_fragment((CHUNK,), ACCUM)
-            red_x = T.alloc_fragment((CHUNK,), ACCUM)
-            red_r = T.alloc_fragment((CHUNK,), ACCUM)
-            red_l = T.alloc_fragment((CHUNK,), ACCUM)
             seq_start = T.alloc_var("int32")
             seq_end = T.alloc_var("int32")
             first_chunk = T.alloc_var("int32")
@@ -277,16 +345,9 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i, d in T.Parallel(CHUNK, head_v):
                     acc[i, d] = acc[i, d] * e_s[i]
                     acc2[i, d] = acc[i, d] * T.cast(vn_s[i, d], ACCUM)
-                T.reduce_sum(acc2, red_de, dim=1)
-                T.reduce_sum(cc2, red_mr, dim=1)
-                T.reduce_sum(cc2, red_mc, dim=0)
-                # (one reduction result a loop: their layouts differ)
-                for i in T.Parallel(CHUNK):
-                    de_s[i] = red_de[i]
-                for i in T.Parallel(CHUNK):
-                    dgam_s[i] = red_mr[i] - de_s[i]
-                for i in T.Parallel(CHUNK):
-                    dgam_s[i] = dgam_s[i] - red_mc[i]
+                _row_partials(acc2, red_s, P_DE, head_v)
+                _row_partials(cc2, red_s, P_MR, CHUNK)
+                _col_partials(cc2, red_s, P_MC)
 
                 # (2) dV_new = scale M^T dO + E K dS', kept negated (dvn_s = -dV_new: W enters dS and
                 # dW with a minus, so neither W nor dW needs a pass of its own; dV and dA_u take the sign)
@@ -313,10 +374,10 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i, d in T.Parallel(CHUNK, head_k):
                     acc3[i, d] = acc3[i, d] + acc2[i, d]
                     acc2[i, d] = acc2[i, d] * T.cast(q_s[i, d], ACCUM)
-                T.reduce_sum(acc2, red_qs, dim=1)
+                _row_partials(acc2, red_s, P_QS, head_k)
                 for i, d in T.Parallel(CHUNK, head_k):
                     if i < length:
-                        dq_v[start + i, head, d] = acc3[i, d]
+                        dq_v[start + i, head, d] = T.cast(acc3[i, d], dtype)
 
                 # (4) V_new dS'^T, dW = -dV_new S^T, -dV = A_u^T (-dV_new), -dA_u = (-dV_new) V^T
                 T.wgmma_gemm(vn_s, ds_s, acc2, transpose_B=True, clear_accum=True)
@@ -333,7 +394,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 # dgamma's column terms of dA_u * A_u as row dots V_j . dV_j (wy_grads, s45); acc3 = -dV
                 for i, d in T.Parallel(CHUNK, head_v):
                     acc3[i, d] = acc3[i, d] * T.cast(v_s[i, d], ACCUM)
-                T.reduce_sum(acc3, red_vd, dim=1)
+                _row_partials(acc3, red_s, P_VD, head_v)
                 # q, h, v, dO and V_new are read for the last time above: the next chunk's go out now
                 # (every thread's generic-proxy writes fenced before TMA's, then all past their reads).
                 T.fence_proxy_async()
@@ -341,10 +402,6 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 if c + 1 < num_seq_chunks:
                     _issue_late_tiles(q, h, v, do, v_new, q_s, h_s, v_s, do_s, vn_s, late_ready, chunk - 1,
                                       start - CHUNK, head, qk_head, head_k, head_v)
-                for i in T.Parallel(CHUNK):
-                    dgam_s[i] = dgam_s[i] + red_qs[i]
-                for i in T.Parallel(CHUNK):
-                    dgam_s[i] = dgam_s[i] + red_vd[i]
 
                 # (5) dA_w = dW K^T, dK's A_w^T dW, K K^T
                 T.wgmma_gemm(w_s, k_s, cc2, transpose_B=True, clear_accum=True)
@@ -359,14 +416,10 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                     cc3[i, j] = cc1[i, j] * pair_decay(gamma_s[i], gamma_s[j]) + T.__exp(gamma_s[i]) * cc2[i, j]
                     mf[i, j] = cc3[i, j] * T.cast(ar_h[i, j], ACCUM)
                     dar_h[i, j] = T.cast(cc3[i, j] * beta_s[j], HALF)
-                T.reduce_sum(mf, red_x, dim=0)
+                _col_partials(mf, red_s, P_X)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     mf[i, j] = cc2[i, j] * T.cast(aw_s[i, j], ACCUM) + cc1[i, j] * T.cast(au_s[i, j], ACCUM)
-                T.reduce_sum(mf, red_r, dim=1)
-                for i in T.Parallel(CHUNK):
-                    dbeta_s[i] = red_x[i]
-                for i in T.Parallel(CHUNK):
-                    dgam_s[i] = dgam_s[i] + red_r[i]
+                _row_partials(mf, red_s, P_R, CHUNK)
 
                 # (6) dL = -(A_r^T dA_r A_r^T), strictly lower; dKK = beta_i dL
                 T.gemm(ar_h, dar_h, cc3, transpose_A=True, clear_accum=True)
@@ -376,12 +429,10 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                     cc3[i, j] = T.Select(i > j, -cc3[i, j], T.cast(0, ACCUM))
                     cc4[i, j] = cc3[i, j] * cc4[i, j]
                     x_s[i, j] = T.cast(beta_s[i] * cc3[i, j], dtype)
-                T.reduce_sum(cc4, red_l, dim=1)
+                _row_partials(cc4, red_s, P_L, CHUNK)
                 # (7) dK's (dKK + dKK^T) K
                 T.wgmma_gemm(x_s, k_s, dk_f)
                 T.wgmma_gemm(x_s, k_s, dk_f, transpose_A=True)
-                for i in T.Parallel(CHUNK):
-                    dbeta_s[i] = dbeta_s[i] + red_l[i]
                 T.wait_wgmma(0)
                 # k, W, A_r and the factor rows are done with: the next chunk's go out.
                 T.fence_proxy_async()
@@ -391,13 +442,15 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                                      end_ready, chunk - 1, start - CHUNK, head, qk_head, head_k)
                 for i, d in T.Parallel(CHUNK, head_k):
                     if i < length:
-                        dk_v[start + i, head, d] = dk_f[i, d]
+                        dk_v[start + i, head, d] = T.cast(dk_f[i, d], dtype)
 
-                # --- dbeta; dg = reverse cumsum of dgamma, gamma_C's terms on the chunk's last row
-                # (one warp: sum of de and the warps' <S, dS'> partials by shuffles; s55: thread 0 alone,
-                # ~70 dependent shared-memory reads, was most of this phase's ~2-2.7k cycles)
+                # --- dbeta and dgamma from the sums' partials (all written before the barrier above, in a
+                # fixed order); dg = reverse cumsum of dgamma, gamma_C's terms on the chunk's last row: one
+                # warp sums de and the warps' <S, dS'> partials by shuffles (s55: thread 0 alone, ~70
+                # dependent shared-memory reads, was most of this phase's ~2-2.7k cycles)
                 if tx < 32:
-                    part = de_s[tx] + de_s[tx + 32]
+                    part = ((red_s[P_DE, tx] + red_s[P_DE + 1, tx])
+                            + (red_s[P_DE, tx + 32] + red_s[P_DE + 1, tx + 32]))
                     if tx < threads // 32:
                         part = part + dgsum_s[tx] * T.__exp(gamma_last)
                     part = part + T.shfl_xor(part, 16)
@@ -406,11 +459,23 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                     part = part + T.shfl_xor(part, 2)
                     part = part + T.shfl_xor(part, 1)
                     if tx == 0:
-                        dgam_s[length - 1] = dgam_s[length - 1] + part
+                        red_s[P_END, 0] = part
+                T.sync_threads()
+                # dgamma_i = rows of dM * M - de - columns of dM * M + (D dO S^T)_i . q_i + V_i . dV_i
+                #            + rows of dA_u * A_u + dA_w * A_w;  dbeta = columns of G * A_r + rows of dL * K K^T
+                for i in T.Parallel(CHUNK):
+                    dgam_s[i] = (((red_s[P_MR, i] + red_s[P_MR + 1, i]) - (red_s[P_DE, i] + red_s[P_DE + 1, i]))
+                                 - ((red_s[P_MC, i] + red_s[P_MC + 1, i]) + (red_s[P_MC + 2, i] + red_s[P_MC + 3, i]))
+                                 + (red_s[P_QS, i] + red_s[P_QS + 1, i]) + (red_s[P_VD, i] + red_s[P_VD + 1, i])
+                                 + (red_s[P_R, i] + red_s[P_R + 1, i])
+                                 + T.if_then_else(i == length - 1, red_s[P_END, 0], T.cast(0, ACCUM)))
+                    if i < length:
+                        dbeta[start + i, head] = (((red_s[P_X, i] + red_s[P_X + 1, i])
+                                                   + (red_s[P_X + 2, i] + red_s[P_X + 3, i]))
+                                                  + (red_s[P_L, i] + red_s[P_L + 1, i]))
                 T.cumsum(dgam_s, dgsum_s, reverse=True)
                 for i in T.Parallel(CHUNK):
                     if i < length:
-                        dbeta[start + i, head] = dbeta_s[i]
                         dg[start + i, head] = dgsum_s[i]
 
             for i, j in T.Parallel(head_k, head_v):

@@ -63,7 +63,7 @@ def test_group_grads_matches_torch(normalize, hqk, hv, tokens):
     kernel's 32-row blocks, group sizes 1, 4 and 4 over two q/k heads; outputs NaN first."""
     torch.manual_seed(tokens + hv)
     q, k = (torch.randn(tokens, hqk, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
-    dq_v, dk_v = (torch.randn(tokens, hv, 128, device="cuda") for _ in range(2))
+    dq_v, dk_v = (torch.randn(tokens, hv, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
     dq, dk = (torch.full((tokens, hqk, 128), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     build_group_grads(128, "bfloat16")(q, k, dq_v, dk_v, int(normalize), dq, dk)
     for x, x_v, out in ((q, dq_v, dq), (k, dk_v, dk)):
