@@ -36,7 +36,7 @@ chunk state h, also at a sequence's first chunk, where ``qk_grads`` reads the ca
 Shared memory (K = V = 128, bf16): q, k, v, dO, W (then dW), V_new, -dV_new 16 KB each, S and
 the bf16 copy of dS' 32 KB each, six 64 x 64 tiles (A_u, A_w, scale M then dQK then dKK in the
 input dtype; A_r, and dA_r then A_r^T dA_r, in fp16): 216 KB. The row and column sums of dgamma
-and dbeta leave their partials in a 5.25 KB buffer (``REDUCE_PRELUDE``: no TileLang reductions, whose
+and dbeta leave their partials in a 5.25 KB buffer (``partial_sums``: no TileLang reductions, whose
 1 KB workspace each and ~120 barriers a chunk step s55 counted), combined once a chunk; ~3.5 KB of
 the 227 KB a CTA may have are left, beside the 1 KB that the two mbarriers' static shared memory
 takes (beta and E live over the inverse norms' rows). Where a product
@@ -49,82 +49,14 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
+from .partial_sums import REDUCE_PRELUDE, col_partials, row_partials
 from .tiles import ACCUM, CHUNK, HALF, pair_decay
 
 
-# Row and column sums of the chunk's fp32 wgmma accumulators without TileLang's reductions (s55: a
-# `T.reduce_sum` puts a __syncthreads() and two named barriers around every element a thread holds,
-# ~6 barriers a row sum and ~40 a column sum of a 64-row fragment, ~120 a chunk step). The fragments
-# here are 64 x N accumulators of the CTA's two warpgroups, the columns split in halves: thread t of
-# warpgroup g = t / 128, warp w = (t % 128) / 32, lane l holds, for each 8-column block n < N / 16 and
-# half h, (row 16 w + 8 h + l / 4, column g N / 2 + 8 n + 2 (l % 4) + e) at acc[4 n + 2 h + e]
-# (TileLang's layout for them; the generated CUDA indexes them so). Each function leaves partial sums
-# in shared memory, combined later by plain reads after a barrier the kernel has anyway, in a fixed
-# order (bitwise repeatable):
-# - ``fgdn_row_partials_<N>``: out[64 g + row] = the row's sum over warpgroup g's columns (2 x 64);
-# - ``fgdn_col_partials_<N>``: out[64 w + column] = the column's sum over warp w's 16 rows (4 x 64).
-REDUCE_PRELUDE = r"""
-template <int NB>
-__device__ __forceinline__ void fgdn_row_partials(const float* acc, void* buf, int offset) {
-  float* out = static_cast<float*>(buf) + offset;
-  const int t = threadIdx.x, g = t >> 7, w = (t & 127) >> 5, l = t & 31;
-  float s0 = 0.f, s1 = 0.f;
-  #pragma unroll
-  for (int n = 0; n < NB; ++n) {
-    s0 += acc[4 * n] + acc[4 * n + 1];
-    s1 += acc[4 * n + 2] + acc[4 * n + 3];
-  }
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-  if ((l & 3) == 0) {
-    out[64 * g + 16 * w + (l >> 2)] = s0;
-    out[64 * g + 16 * w + 8 + (l >> 2)] = s1;
-  }
-}
-template <int NB>
-__device__ __forceinline__ void fgdn_col_partials(const float* acc, void* buf, int offset) {
-  float* out = static_cast<float*>(buf) + offset;
-  const int t = threadIdx.x, g = t >> 7, w = (t & 127) >> 5, l = t & 31;
-  #pragma unroll
-  for (int n = 0; n < NB; ++n) {
-    #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float c = acc[4 * n + e] + acc[4 * n + 2 + e];
-      c += __shfl_xor_sync(0xffffffffu, c, 4);
-      c += __shfl_xor_sync(0xffffffffu, c, 8);
-      c += __shfl_xor_sync(0xffffffffu, c, 16);
-      if (l < 4) out[64 * w + 8 * NB * g + 8 * n + 2 * l + e] = c;
-    }
-  }
-}
-__device__ __forceinline__ void fgdn_row_partials_64(const float* acc, void* buf, int offset) {
-  fgdn_row_partials<4>(acc, buf, offset);
-}
-__device__ __forceinline__ void fgdn_row_partials_128(const float* acc, void* buf, int offset) {
-  fgdn_row_partials<8>(acc, buf, offset);
-}
-__device__ __forceinline__ void fgdn_col_partials_64(const float* acc, void* buf, int offset) {
-  fgdn_col_partials<4>(acc, buf, offset);
-}
-"""
 # Rows of the partial sums' shared buffer (``red_s``): per term its first row; a row sum takes two
 # rows (one a warpgroup), a column sum four (one a warp); the last row holds dg's chunk-end term.
 P_DE, P_MR, P_MC, P_QS, P_VD, P_X, P_R, P_L, P_END = 0, 2, 4, 8, 10, 12, 16, 18, 20
 PARTIAL_ROWS = 21
-
-
-@T.macro
-def _row_partials(frag, red_s, row, cols):
-    """Row sums of the 64 x ``cols`` accumulator ``frag`` into rows ``row``, ``row`` + 1 of ``red_s``."""
-    T.call_extern("handle", f"fgdn_row_partials_{cols}", frag.data, red_s.data, row * CHUNK)
-
-
-@T.macro
-def _col_partials(frag, red_s, row):
-    """Column sums of the 64 x 64 accumulator ``frag`` into rows ``row`` .. ``row`` + 3 of ``red_s``."""
-    T.call_extern("handle", "fgdn_col_partials_64", frag.data, red_s.data, row * CHUNK)
 
 
 @T.macro
@@ -345,9 +277,9 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i, d in T.Parallel(CHUNK, head_v):
                     acc[i, d] = acc[i, d] * e_s[i]
                     acc2[i, d] = acc[i, d] * T.cast(vn_s[i, d], ACCUM)
-                _row_partials(acc2, red_s, P_DE, head_v)
-                _row_partials(cc2, red_s, P_MR, CHUNK)
-                _col_partials(cc2, red_s, P_MC)
+                row_partials(acc2, red_s, P_DE, head_v)
+                row_partials(cc2, red_s, P_MR, CHUNK)
+                col_partials(cc2, red_s, P_MC)
 
                 # (2) dV_new = scale M^T dO + E K dS', kept negated (dvn_s = -dV_new: W enters dS and
                 # dW with a minus, so neither W nor dW needs a pass of its own; dV and dA_u take the sign)
@@ -374,7 +306,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 for i, d in T.Parallel(CHUNK, head_k):
                     acc3[i, d] = acc3[i, d] + acc2[i, d]
                     acc2[i, d] = acc2[i, d] * T.cast(q_s[i, d], ACCUM)
-                _row_partials(acc2, red_s, P_QS, head_k)
+                row_partials(acc2, red_s, P_QS, head_k)
                 for i, d in T.Parallel(CHUNK, head_k):
                     if i < length:
                         dq_v[start + i, head, d] = T.cast(acc3[i, d], dtype)
@@ -394,7 +326,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 # dgamma's column terms of dA_u * A_u as row dots V_j . dV_j (wy_grads, s45); acc3 = -dV
                 for i, d in T.Parallel(CHUNK, head_v):
                     acc3[i, d] = acc3[i, d] * T.cast(v_s[i, d], ACCUM)
-                _row_partials(acc3, red_s, P_VD, head_v)
+                row_partials(acc3, red_s, P_VD, head_v)
                 # q, h, v, dO and V_new are read for the last time above: the next chunk's go out now
                 # (every thread's generic-proxy writes fenced before TMA's, then all past their reads).
                 T.fence_proxy_async()
@@ -416,10 +348,10 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                     cc3[i, j] = cc1[i, j] * pair_decay(gamma_s[i], gamma_s[j]) + T.__exp(gamma_s[i]) * cc2[i, j]
                     mf[i, j] = cc3[i, j] * T.cast(ar_h[i, j], ACCUM)
                     dar_h[i, j] = T.cast(cc3[i, j] * beta_s[j], HALF)
-                _col_partials(mf, red_s, P_X)
+                col_partials(mf, red_s, P_X)
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     mf[i, j] = cc2[i, j] * T.cast(aw_s[i, j], ACCUM) + cc1[i, j] * T.cast(au_s[i, j], ACCUM)
-                _row_partials(mf, red_s, P_R, CHUNK)
+                row_partials(mf, red_s, P_R, CHUNK)
 
                 # (6) dL = -(A_r^T dA_r A_r^T), strictly lower; dKK = beta_i dL
                 T.gemm(ar_h, dar_h, cc3, transpose_A=True, clear_accum=True)
@@ -429,7 +361,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                     cc3[i, j] = T.Select(i > j, -cc3[i, j], T.cast(0, ACCUM))
                     cc4[i, j] = cc3[i, j] * cc4[i, j]
                     x_s[i, j] = T.cast(beta_s[i] * cc3[i, j], dtype)
-                _row_partials(cc4, red_s, P_L, CHUNK)
+                row_partials(cc4, red_s, P_L, CHUNK)
                 # (7) dK's (dKK + dKK^T) K
                 T.wgmma_gemm(x_s, k_s, dk_f)
                 T.wgmma_gemm(x_s, k_s, dk_f, transpose_A=True)

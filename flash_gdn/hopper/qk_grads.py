@@ -60,10 +60,16 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
+from .partial_sums import REDUCE_PRELUDE, row_partials
 from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 
 SD_ROWS = 32  # rows of the state per step of <S, dS'>
+# Rows of the row sums' partials buffer (``partial_sums``; two rows a sum, one a warpgroup):
+# dQK * QK's rows (``_row_sums_of_product``), the state term's row dots (``_add_state_term``), and
+# dx_hat . x_hat (``_l2_backward_store``).
+P_M, P_D, P_N = 0, 2, 4
+PARTIAL_ROWS = 6
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,41 +89,50 @@ def _add_dg(z_s, zsum_s, dg, start, length, head):
 
 
 @T.macro
-def _row_sums_of_product(dm, qk, red, msum_s):
-    """msum_s = row sums of dm * qk (dm is overwritten): dQK * QK's rows (dq CTA) or columns (dk CTA)."""
+def _row_sums_of_product(dm, qk, red_s):
+    """Row sums of dm * qk (dm is overwritten) as partials into ``red_s`` rows P_M (``_msum``): dQK *
+    QK's rows (dq CTA) or columns (dk CTA)."""
     for i, j in T.Parallel(CHUNK, CHUNK):
         dm[i, j] = dm[i, j] * qk[i, j]
-    T.reduce_sum(dm, red, dim=1)
-    T.copy(red, msum_s)
+    row_partials(dm, red_s, P_M, CHUNK)
+
+
+def _msum(red_s, i):
+    """Row i of dm * qk from its partials (after a barrier past ``_row_sums_of_product``)."""
+    return red_s[P_M, i] + red_s[P_M + 1, i]
+
+
+def _dot(red_s, row_f, x_inv, i):
+    """Row i's dot of ``_add_state_term`` from its partials: row_f_i r_i sum_k X_ik acc_v_ik."""
+    return (red_s[P_D, i] + red_s[P_D + 1, i]) * (row_f[i] * x_inv[i])
 
 
 @T.macro
-def _add_state_term(grad, acc_v, row_f, x_tile, x_inv, red, dot_s):
+def _add_state_term(grad, acc_v, row_f, x_tile, red_s):
     """grad += diag(row_f) acc_v (the state product, its row factors applied here rather than to
-    its shared-memory operand: no pass over that tile and no barrier before the product), and
-    dot_s = row_f_i r_i sum_k X_ik acc_v_ik, the row dots with the normalised rows r_i X_i (x_tile
-    raw, x_inv = r): that product's dgamma term (acc_v is overwritten)."""
+    its shared-memory operand: no pass over that tile and no barrier before the product), and the
+    row dots with the normalised rows r_i X_i (x_tile raw), that product's dgamma term, as partials
+    of sum_k X_ik acc_v_ik into ``red_s`` rows P_D (``_dot`` applies row_f_i r_i; acc_v is overwritten)."""
     for i, d in T.Parallel(CHUNK, grad.shape[1]):
         grad[i, d] += row_f[i] * acc_v[i, d]
         acc_v[i, d] = acc_v[i, d] * T.cast(x_tile[i, d], ACCUM)
-    T.reduce_sum(acc_v, red, dim=1)
-    for i in T.Parallel(CHUNK):
-        dot_s[i] = red[i] * (row_f[i] * x_inv[i])
+    row_partials(acc_v, red_s, P_D, grad.shape[1])
 
 
 @T.macro
-def _l2_backward_store(grad, tmp, red, dot_s, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
+def _l2_backward_store(grad, tmp, red_s, x_tile, x_inv, normalize, stage, out, start, length, qk_head):
     """out rows = grad, through the L2 norm's backward when ``normalize``:
     dx = r (dx_hat - (dx_hat . x_hat) x_hat), x_hat = r x the normalised rows (x_tile holds x
     raw, x_inv = r). The rows go out through the shared tile ``stage`` (a whole chunk by one TMA store)."""
     if normalize != 0:
         for i, d in T.Parallel(CHUNK, grad.shape[1]):
             tmp[i, d] = grad[i, d] * T.cast(x_tile[i, d], ACCUM)
-        T.reduce_sum(tmp, red, dim=1)
-        for i in T.Parallel(CHUNK):
-            dot_s[i] = red[i] * (x_inv[i] * x_inv[i])  # (dx_hat . x_hat) r
+        row_partials(tmp, red_s, P_N, grad.shape[1])
+        T.sync_threads()  # (the partials are not seen by TileLang's sync pass: partial_sums)
+        # (dx_hat . x_hat) r = (x . dx_hat) r^2
         for i, d in T.Parallel(CHUNK, grad.shape[1]):
-            grad[i, d] = x_inv[i] * (grad[i, d] - dot_s[i] * T.cast(x_tile[i, d], ACCUM))
+            grad[i, d] = x_inv[i] * (grad[i, d] - ((red_s[P_N, i] + red_s[P_N + 1, i]) * (x_inv[i] * x_inv[i]))
+                                     * T.cast(x_tile[i, d], ACCUM))
     T.copy(grad, stage)
     store_chunk_rows(stage, out, start, length, qk_head, 0)
 
@@ -190,7 +205,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
     ):
         # Block x = 2 chunk + role: the dq and dk CTAs of a chunk are neighbours, so they run
         # together and the second reads of q, k, dO, V_new (and S) hit L2.
-        with T.Kernel(num_chunks * 2, num_qk_heads, threads=threads) as (bx, qk_head):
+        with T.Kernel(num_chunks * 2, num_qk_heads, threads=threads, prelude=REDUCE_PRELUDE) as (bx, qk_head):
             q_tile = T.alloc_shared((CHUNK, head_k), dtype)
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             do_tile = T.alloc_shared((CHUNK, head_v), dtype)  # dO (dk CTA: then dk_wy)
@@ -202,14 +217,12 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
             q_inv = T.alloc_shared((CHUNK,), ACCUM)
             k_inv = T.alloc_shared((CHUNK,), ACCUM)
             row_f = T.alloc_shared((CHUNK,), ACCUM)  # scale D (dq CTA) or E (dk CTA)
-            msum_s = T.alloc_shared((CHUNK,), ACCUM)  # row sums of dm * qk: dQK * QK's rows (dq) or columns (dk)
-            dot_s = T.alloc_shared((CHUNK,), ACCUM)  # (Q S) . scale D dO, or de (_add_state_term)
+            red_s = T.alloc_shared((PARTIAL_ROWS, CHUNK), ACCUM)  # row sums' partials (P_M, P_D, P_N)
             sd_s = T.alloc_shared((SD_ROWS,), ACCUM)
             z_s = T.alloc_shared((2 * CHUNK,), ACCUM)  # [dgamma; y] (_add_dg)
             zsum_s = T.alloc_shared((2 * CHUNK,), ACCUM)
             qk = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dm = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-            red_a = T.alloc_fragment((CHUNK,), ACCUM)
             sd_part = T.alloc_fragment((SD_ROWS, head_v), ACCUM)
             red_sd = T.alloc_fragment((SD_ROWS,), ACCUM)
             grad = T.alloc_fragment((CHUNK, head_k), ACCUM)  # dq or dk, summed over the group
@@ -301,9 +314,9 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     T.copy(dm, dqk_s)
                     # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
                     # of its CTA's dm * qk, formed while the CTA's two products run (_row_sums_of_product
-                    # touches neither their operands nor their accumulators; its reduction's shared
-                    # workspace is its own, checked in the generated code): s47, -0.5 to -2 %, bitwise
-                    # the same outputs.
+                    # touches neither their operands nor their accumulators; its partials' rows are its
+                    # own): s47, -0.5 to -2 %. (s56: the kernel's row sums by ``partial_sums``, shuffles
+                    # and one barrier before their readers instead of TileLang's reductions.)
                     if role == 0:
                         # dq += dQK K + (scale D dO) S^T = dQK K + scale D (dO S^T). The state term goes
                         # through acc_v on its own: its row dot with the normalised q is a dgamma term
@@ -312,14 +325,16 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.mbarrier_wait_parity(st_ready, member % 2)
                         T.wgmma_gemm(dqk_s, k_tile, grad)
                         T.wgmma_gemm(do_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
-                        _row_sums_of_product(dm, qk, red_a, msum_s)
+                        _row_sums_of_product(dm, qk, red_s)
                         T.wait_wgmma(0)
                         _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
                                            start, chunk_id, head, member, group, role, head_k, head_v)
-                        _add_state_term(grad, acc_v, row_f, q_tile, q_inv, red_a, dot_s)
+                        _add_state_term(grad, acc_v, row_f, q_tile, red_s)
+                        T.sync_threads()  # the partials written above (not seen by TileLang's sync pass)
                         for i in T.Parallel(2 * CHUNK):
-                            z_s[i] = T.if_then_else(i < length, msum_s[i % CHUNK] + dot_s[i % CHUNK],
-                                                    T.cast(0, ACCUM))
+                            z_s[i] = T.if_then_else(
+                                i < length, _msum(red_s, i % CHUNK) + _dot(red_s, row_f, q_inv, i % CHUNK),
+                                T.cast(0, ACCUM))
                         _add_dg(z_s, zsum_s, dg, start, length, head)
                     else:
                         # dO is read (dM above): its tile takes this member's dk_wy by TMA (K = V), added
@@ -359,29 +374,35 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         T.copy(red_sd, sd_s)
                         T.wgmma_gemm(dqk_s, q_tile, grad)
                         T.wgmma_gemm(vn_tile, st_tile, acc_v, transpose_B=True, clear_accum=True)
-                        _row_sums_of_product(dm, qk, red_a, msum_s)
+                        _row_sums_of_product(dm, qk, red_s)
                         T.wait_wgmma(0)
                         T.mbarrier_wait_parity(wy_ready, member % 2)
                         for i, d in T.Parallel(CHUNK, head_k):
                             grad[i, d] += T.cast(do_tile[i, d], ACCUM)
                         _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_tile, vo_ready, st_ready,
                                            start, chunk_id, head, member, group, role, head_k, head_v)
-                        _add_state_term(grad, acc_v, row_f, k_tile, k_inv, red_a, dot_s)
+                        _add_state_term(grad, acc_v, row_f, k_tile, red_s)
+                        T.sync_threads()  # the partials written above (not seen by TileLang's sync pass)
                         # X = e^gamma_C <S, dS'> + sum_i de_i enters dgamma at the chunk's last row, so every
                         # dg of the chunk (a reverse cumsum) gains X: it goes in as y (_add_dg).
                         for i in T.Parallel(2 * CHUNK):
                             z_s[i] = T.if_then_else(
                                 i < CHUNK,
-                                T.if_then_else(i < length, dgw_s[i % CHUNK] - msum_s[i % CHUNK] - dot_s[i % CHUNK],
+                                T.if_then_else(i < length, dgw_s[i % CHUNK] - _msum(red_s, i % CHUNK)
+                                               - _dot(red_s, row_f, k_inv, i % CHUNK),
                                                T.cast(0, ACCUM)),
-                                dot_s[i % CHUNK] + T.if_then_else(i % CHUNK < SD_ROWS, T.__exp(gamma_last) * sd_s[i % SD_ROWS], T.cast(0, ACCUM)),
+                                _dot(red_s, row_f, k_inv, i % CHUNK)
+                                + T.if_then_else(i % CHUNK < SD_ROWS, T.__exp(gamma_last) * sd_s[i % SD_ROWS],
+                                                 T.cast(0, ACCUM)),
                             )
                         _add_dg(z_s, zsum_s, dg, start, length, head)
 
                 # The L2 norm's backward (row factors r = q_inv, k_inv), then the writes.
                 if role == 0:
-                    _l2_backward_store(grad, acc_v, red_a, dot_s, q_tile, q_inv, normalize, do_tile, dq, start, length, qk_head)
+                    _l2_backward_store(grad, acc_v, red_s, q_tile, q_inv, normalize, do_tile, dq, start, length,
+                                       qk_head)
                 else:
-                    _l2_backward_store(grad, acc_v, red_a, dot_s, k_tile, k_inv, normalize, do_tile, dk, start, length, qk_head)
+                    _l2_backward_store(grad, acc_v, red_s, k_tile, k_inv, normalize, do_tile, dk, start, length,
+                                       qk_head)
 
     return qk_grads

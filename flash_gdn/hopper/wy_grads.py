@@ -27,7 +27,16 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
+from .partial_sums import REDUCE_PRELUDE, col_partials, row_partials
 from .tiles import ACCUM, CHUNK, HALF, pair_decay, store_chunk_rows
+
+
+# Rows of the sums' partials buffer (``partial_sums``; a row sum two rows, a column sum four): R_u's
+# columns as V . dV row dots, dbeta's column terms of G * A_r, dgamma's rows of R_u + R_w, dbeta's
+# row terms of dL * K K^T. Read back once, at the end (s56: TileLang's reductions, batched, were
+# ~4 barriers and a shared copy each).
+P_C, P_X, P_R, P_L = 0, 2, 6, 8
+PARTIAL_ROWS = 10
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +68,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
         dgamma_wy: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         dg: T.Tensor((tokens, num_v_heads), ACCUM),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=threads) as (chunk_id, head):
+        with T.Kernel(num_chunks, num_v_heads, threads=threads, prelude=REDUCE_PRELUDE) as (chunk_id, head):
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             dvn_tile = T.alloc_shared((CHUNK, head_v), dtype)
@@ -74,19 +83,12 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             dar_h = T.alloc_shared((CHUNK, CHUNK), HALF)
             t_h = T.alloc_shared((CHUNK, CHUNK), HALF)
             dkk_s = T.alloc_shared((CHUNK, CHUNK), dtype)
-            rows_s = T.alloc_shared((CHUNK,), ACCUM)
-            cols_s = T.alloc_shared((CHUNK,), ACCUM)
-            xcol_s = T.alloc_shared((CHUNK,), ACCUM)
-            lrow_s = T.alloc_shared((CHUNK,), ACCUM)
+            red_s = T.alloc_shared((PARTIAL_ROWS, CHUNK), ACCUM)  # the sums' partials (P_*)
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dau = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             daw = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             tmp = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dar = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
-            red_x = T.alloc_fragment((CHUNK,), ACCUM)
-            red_c = T.alloc_fragment((CHUNK,), ACCUM)
-            red_r = T.alloc_fragment((CHUNK,), ACCUM)
-            red_l = T.alloc_fragment((CHUNK,), ACCUM)
             dv_acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
             dw_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
             qk_head = T.alloc_var("int32")
@@ -165,8 +167,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             T.wgmma_gemm(dw_s, k_tile, daw, transpose_B=True, clear_accum=True)
             for i, d in T.Parallel(CHUNK, head_v):
                 dw_acc[i, d] = dv_acc[i, d] * T.cast(v_tile[i, d], ACCUM)
-            T.reduce_sum(dw_acc, red_c, dim=1, batch=2)
-            T.copy(red_c, cols_s)
+            row_partials(dw_acc, red_s, P_C, head_v)
             T.wait_wgmma(0)
             # dV out through V's tile (read for the last time by dA_u's product) by TMA.
             T.copy(dv_acc, v_tile)
@@ -182,16 +183,13 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
                 tmp[i, j] = dar[i, j] * T.cast(ar_h[i, j], ACCUM)
                 dar[i, j] = dar[i, j] * beta_s[j]
             T.copy(dar, dar_h)
-            # batch: a thread's 8 column sums (2 row sums) cross the warps together, one pair of
-            # barriers a level for all of them instead of one per element (a column sum of this
-            # layout goes through shared memory twice: ~2.5k cycles a call unbatched, b24).
-            T.reduce_sum(tmp, red_x, dim=0, batch=8)
-            T.copy(red_x, xcol_s)
+            # (b24: a column sum of this layout by TileLang went through shared memory twice, ~2.5k
+            # cycles a call unbatched; partial_sums' shuffles and one shared row a warp)
+            col_partials(tmp, red_s, P_X)
             # dgamma's row terms: R_u = dA_u * A_u, R_w = dA_w * A_w (R_u's columns came from dV above).
             for i, j in T.Parallel(CHUNK, CHUNK):
                 daw[i, j] = daw[i, j] * T.cast(aw_s[i, j], ACCUM) + dau[i, j] * T.cast(au_s[i, j], ACCUM)
-            T.reduce_sum(daw, red_r, dim=1, batch=2)
-            T.copy(red_r, rows_s)
+            row_partials(daw, red_s, P_R, CHUNK)
 
             # dL = -(A_r^T dA_r A_r^T), strictly lower; its dbeta term against K K^T (recomputed
             # here: a 64 x 64 x K product is cheaper than holding it in fp32 shared memory).
@@ -215,16 +213,19 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             T.wgmma_gemm(dkk_s, k_tile, dw_acc, transpose_A=True)
             for i, j in T.Parallel(CHUNK, CHUNK):
                 tmp[i, j] = tmp[i, j] * kkt[i, j]
-            T.reduce_sum(tmp, red_l, dim=1, batch=2)
-            T.copy(red_l, lrow_s)
+            row_partials(tmp, red_s, P_L, CHUNK)
             T.wait_wgmma(0)
             # Out through dV_new's tile (dead since dV) by TMA, in the input dtype.
             T.copy(dw_acc, dvn_tile)
+            # (dK_wy's tile and every partial written: TileLang's sync pass sees only the first)
+            T.sync_threads()
             store_chunk_rows(dvn_tile, dk_wy, start, length, head, 0)
             for i in T.Parallel(CHUNK):
                 if i < length:
-                    dbeta[start + i, head] = lrow_s[i] + xcol_s[i]
+                    dbeta[start + i, head] = ((red_s[P_L, i] + red_s[P_L + 1, i])
+                                              + ((red_s[P_X, i] + red_s[P_X + 1, i])
+                                                 + (red_s[P_X + 2, i] + red_s[P_X + 3, i])))
                     dg[start + i, head] = T.cast(0, ACCUM)  # qk_grads adds its two parts
-                dgamma_wy[head, chunk_id, i] = rows_s[i] - cols_s[i]
+                dgamma_wy[head, chunk_id, i] = (red_s[P_R, i] + red_s[P_R + 1, i]) - (red_s[P_C, i] + red_s[P_C + 1, i])
 
     return wy_grads
