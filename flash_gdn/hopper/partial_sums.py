@@ -1,7 +1,7 @@
 """Row and column sums of a CTA's fp32 wgmma accumulators without TileLang's reductions.
 
 A ``T.reduce_sum`` over a 64-row fragment of two warpgroups puts a __syncthreads() and two named
-barriers around every element a thread holds: ~6 barriers a row sum, ~40 a column sum (s55 counted
+barriers around every element a thread holds: ~7 barriers a row sum, ~30 a column sum (s55 counted
 ~120 a chunk step in ``fused_grads``). Here each thread sums its own elements, a warp's lanes add
 theirs by shuffles, and one lane a row (or column) writes the partial sum of its warpgroup (warp)
 to a shared buffer; the kernel reads the partials back after a barrier it has anyway, adding them
@@ -70,14 +70,13 @@ __device__ __forceinline__ void fgdn_col_partials_64(const float* acc, void* buf
   fgdn_col_partials<4>(acc, buf, offset);
 }
 """
-ROW_COLUMNS = (64, 128)  # the accumulator widths row_partials takes
 
 
 @T.macro
 def row_partials(frag, buf, row, cols):
     """Row sums of the 64 x ``cols`` accumulator ``frag`` (256 threads) into rows ``row``, ``row`` + 1
-    of the fp32 shared buffer ``buf`` (``CHUNK`` wide); ``cols`` one of ``ROW_COLUMNS`` (another
-    names no device function, and nvcc fails)."""
+    of the fp32 shared buffer ``buf`` (``CHUNK`` wide); ``cols`` 64 or 128 (another width names no
+    device function, and nvcc fails)."""
     T.call_extern("handle", f"fgdn_row_partials_{cols}", frag.data, buf.data, row * CHUNK)
 
 

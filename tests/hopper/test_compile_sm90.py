@@ -29,8 +29,8 @@ def test_kernel_compiles_for_sm90a(name):
     source = kernel.get_kernel_source()
     if name.startswith(("sequence_prefix", "cut_pieces")):  # integer planning: no products
         assert "__global__" in source
-    elif name.startswith("group_grads"):  # sums and row dots over fp32 rows: no products either
-        assert "__global__" in source and "float4" in source, f"{name}: rows not read 16 bytes at a time"
+    elif name.startswith("group_grads"):  # sums and row dots over 16-bit rows: no products either
+        assert "__global__" in source and "uint4" in source, f"{name}: rows not read 16 bytes at a time"
     else:
         assert "wgmma" in source, f"{name}: no wgmma in the generated CUDA"
 
@@ -185,6 +185,24 @@ def test_chunk_parallel_grads_ask_for_two_ctas_per_sm(name):
         assert "blocked_unit_lower_inverse" not in source and "diag16" not in source
     else:  # whole chunks of dq and dk leave by TMA stores (guarded element stores were ~20 % of its instructions)
         assert source.count("tl::tma_store(") >= 2
+
+
+PARTIAL_SUM_KERNELS = ("fused_grads", "qk_grads", "wy_grads")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith(PARTIAL_SUM_KERNELS)))
+def test_sums_come_from_partial_sums_over_two_warpgroups(name):
+    """These kernels' row and column sums are ``partial_sums``' shuffles over the accumulator layout
+    of a 64-row product shared by two warpgroups (256 threads), not TileLang's reductions (a barrier
+    and a shared round trip per element, s56); the device functions assume that thread count and
+    that split (the products' N per warpgroup half the fragment's width)."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    assert "__launch_bounds__(256" in source, f"{name}: not 256 threads"
+    assert "fgdn_row_partials_" in source.split("__global__")[-1], f"{name}: no partial sums"
+    assert "tl::AllReduce<tl::SumOp, 256" not in source, f"{name}: a TileLang reduction across the warpgroups"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("qk_grads")))
