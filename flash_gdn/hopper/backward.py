@@ -526,8 +526,8 @@ class BackwardConfig:
         del kept
         dbeta = torch.empty(tokens, hv, dtype=torch.float32, device=dev)
         dg = torch.empty(tokens, hv, dtype=torch.float32, device=dev)  # zeroed by wy_grads, summed by qk_grads
-        kernels.wy_grads(kf, vf, bf, gamma, k_norm_inv, plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy, dbeta,
-                         dgamma_wy, dg)
+        kernels.wy_grads(kf, vf, bf, gamma, k_norm_inv, int(use_l2), plan.chunk_bounds, a_r, h, dv_new, dv_out, dk_wy,
+                         dbeta, dgamma_wy, dg)
         del a_r
         if not intermediates:
             dv_new = None

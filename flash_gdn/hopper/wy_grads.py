@@ -58,6 +58,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
         beta: T.Tensor((tokens, num_v_heads), gate_dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        normalize: T.int32,
         bounds: T.Tensor((num_chunks, 2), "int32"),
         a_r: T.Tensor((num_chunks, num_v_heads, CHUNK, CHUNK), HALF),
         h: T.Tensor((num_chunks, num_v_heads, head_k, head_v), dtype),
@@ -138,8 +139,14 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             T.copy(tmp, au_s)
             T.copy(dar, aw_s)
             T.mbarrier_wait_parity(k_ready, 0)
-            for i, d in T.Parallel(CHUNK, head_k):
-                k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
+            # K normalised in place with the fused L2 norm only (s56: this pass ran on every CTA, with
+            # inverse norms of 1 otherwise, and TileLang puts a __syncthreads() in each of its 4 unrolled
+            # iterations over the swizzled tile); the barrier after it is outside the condition, so
+            # skipping the pass skips no barrier a later reader needs.
+            if normalize != 0:
+                for i, d in T.Parallel(CHUNK, head_k):
+                    k_tile[i, d] = T.cast(k_tile[i, d] * k_inv[i], dtype)
+            T.sync_threads()
             T.mbarrier_wait_parity(dvn_ready, 0)
             if length < CHUNK:  # a sequence's last chunk: the rows after it are not this sequence's
                 for i, j in T.Parallel(CHUNK, head_v):
