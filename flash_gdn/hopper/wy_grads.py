@@ -12,7 +12,8 @@ beta, gamma, the state at the chunk's start h and dV_new (stages 1 and 2):
 The column sums of R_u = dA_u * A_u come from dV as row dots (A_u lower triangular:
 sum_i dA_u_ij A_u_ij = V_j . dV_j), not from a column reduction (s45).
 A_r comes from ``prepare_wu`` (``write_inverse``, fp16); A_u and A_w are rebuilt from it with
-beta and the gates as there (keys normalised by ``k_norm_inv``);
+beta and the gates as there (keys normalised by ``k_norm_inv`` where the runtime ``normalize``, the fused
+L2 norm, is set; used as loaded otherwise);
 dK_wy is the gradient with respect to the normalised keys (the L2 norm's backward and the
 group sum follow outside), written in the input dtype (``qk_grads`` adds it to its fp32 sum).
 dV and dK_wy leave through shared tiles that are dead by then (V's, dV_new's: K = V) by TMA. Rows past the chunk's end: beta = 0 and dV_new = 0 there.
