@@ -9,7 +9,7 @@ One CTA per 32 tokens, q/k head and tensor (q or k), 128 threads; the rows are p
 (no sequence structure). Per token and q/k head it reads 256 B a value head of the group (512 B
 in fp32 until s56) and, with the norm, the raw row once, and writes the row in the input dtype.
 Bound by bytes in flight rather than bandwidth (s56, H200: halving the rows' bytes took 347 -> 342
-us at 16/32 x 8192x4): a thread's loads of one value head are 8 of 8 bytes, and the group loop is
+us at 16/32 x 8192x4): a thread's loads of one value head are 4 of 16 bytes, and the group loop is
 a runtime loop.
 """
 
