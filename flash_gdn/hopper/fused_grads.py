@@ -49,7 +49,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .partial_sums import REDUCE_PRELUDE, col_partials, row_partials
+from .partial_sums import REDUCE_PRELUDE, col_partials, col_sum, row_partials, row_sum
 from .tiles import ACCUM, CHUNK, HALF, pair_decay
 
 
@@ -381,8 +381,7 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 # warp sums de and the warps' <S, dS'> partials by shuffles (s55: thread 0 alone, ~70
                 # dependent shared-memory reads, was most of this phase's ~2-2.7k cycles)
                 if tx < 32:
-                    part = ((red_s[P_DE, tx] + red_s[P_DE + 1, tx])
-                            + (red_s[P_DE, tx + 32] + red_s[P_DE + 1, tx + 32]))
+                    part = row_sum(red_s, P_DE, tx) + row_sum(red_s, P_DE, tx + 32)
                     if tx < threads // 32:
                         part = part + dgsum_s[tx] * T.__exp(gamma_last)
                     part = part + T.shfl_xor(part, 16)
@@ -396,15 +395,11 @@ def _fused_grads_kernel(head_k, head_v, dtype, gate_dtype, has_dht, threads=256)
                 # dgamma_i = rows of dM * M - de - columns of dM * M + (D dO S^T)_i . q_i + V_i . dV_i
                 #            + rows of dA_u * A_u + dA_w * A_w;  dbeta = columns of G * A_r + rows of dL * K K^T
                 for i in T.Parallel(CHUNK):
-                    dgam_s[i] = (((red_s[P_MR, i] + red_s[P_MR + 1, i]) - (red_s[P_DE, i] + red_s[P_DE + 1, i]))
-                                 - ((red_s[P_MC, i] + red_s[P_MC + 1, i]) + (red_s[P_MC + 2, i] + red_s[P_MC + 3, i]))
-                                 + (red_s[P_QS, i] + red_s[P_QS + 1, i]) + (red_s[P_VD, i] + red_s[P_VD + 1, i])
-                                 + (red_s[P_R, i] + red_s[P_R + 1, i])
+                    dgam_s[i] = ((row_sum(red_s, P_MR, i) - row_sum(red_s, P_DE, i)) - col_sum(red_s, P_MC, i)
+                                 + row_sum(red_s, P_QS, i) + row_sum(red_s, P_VD, i) + row_sum(red_s, P_R, i)
                                  + T.if_then_else(i == length - 1, red_s[P_END, 0], T.cast(0, ACCUM)))
                     if i < length:
-                        dbeta[start + i, head] = (((red_s[P_X, i] + red_s[P_X + 1, i])
-                                                   + (red_s[P_X + 2, i] + red_s[P_X + 3, i]))
-                                                  + (red_s[P_L, i] + red_s[P_L + 1, i]))
+                        dbeta[start + i, head] = col_sum(red_s, P_X, i) + row_sum(red_s, P_L, i)
                 T.cumsum(dgam_s, dgsum_s, reverse=True)
                 for i in T.Parallel(CHUNK):
                     if i < length:

@@ -85,3 +85,13 @@ def col_partials(frag, buf, row):
     """Column sums of the 64 x 64 accumulator ``frag`` (256 threads) into rows ``row`` .. ``row`` + 3
     of ``buf``."""
     T.call_extern("handle", "fgdn_col_partials_64", frag.data, buf.data, row * CHUNK)
+
+
+def row_sum(buf, row, i):
+    """Row i's sum from ``row_partials``' two rows at ``row`` (after a barrier past them)."""
+    return buf[row, i] + buf[row + 1, i]
+
+
+def col_sum(buf, row, i):
+    """Column i's sum from ``col_partials``' four rows at ``row`` (after a barrier past them)."""
+    return (buf[row, i] + buf[row + 1, i]) + (buf[row + 2, i] + buf[row + 3, i])

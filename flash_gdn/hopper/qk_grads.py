@@ -60,7 +60,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .partial_sums import REDUCE_PRELUDE, row_partials
+from .partial_sums import REDUCE_PRELUDE, row_partials, row_sum
 from .tiles import ACCUM, CHUNK, pair_decay, store_chunk_rows
 
 
@@ -99,12 +99,12 @@ def _row_sums_of_product(dm, qk, red_s):
 
 def _msum(red_s, i):
     """Row i of dm * qk from its partials (after a barrier past ``_row_sums_of_product``)."""
-    return red_s[P_M, i] + red_s[P_M + 1, i]
+    return row_sum(red_s, P_M, i)
 
 
 def _dot(red_s, row_f, x_inv, i):
     """Row i's dot of ``_add_state_term`` from its partials: row_f_i r_i sum_k X_ik acc_v_ik."""
-    return (red_s[P_D, i] + red_s[P_D + 1, i]) * (row_f[i] * x_inv[i])
+    return row_sum(red_s, P_D, i) * (row_f[i] * x_inv[i])
 
 
 @T.macro
@@ -131,7 +131,7 @@ def _l2_backward_store(grad, tmp, red_s, x_tile, x_inv, normalize, stage, out, s
         T.sync_threads()  # (the partials are not seen by TileLang's sync pass: partial_sums)
         # (dx_hat . x_hat) r = (x . dx_hat) r^2
         for i, d in T.Parallel(CHUNK, grad.shape[1]):
-            grad[i, d] = x_inv[i] * (grad[i, d] - ((red_s[P_N, i] + red_s[P_N + 1, i]) * (x_inv[i] * x_inv[i]))
+            grad[i, d] = x_inv[i] * (grad[i, d] - (row_sum(red_s, P_N, i) * (x_inv[i] * x_inv[i]))
                                      * T.cast(x_tile[i, d], ACCUM))
     T.copy(grad, stage)
     store_chunk_rows(stage, out, start, length, qk_head, 0)

@@ -28,7 +28,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .partial_sums import REDUCE_PRELUDE, col_partials, row_partials
+from .partial_sums import REDUCE_PRELUDE, col_partials, col_sum, row_partials, row_sum
 from .tiles import ACCUM, CHUNK, HALF, pair_decay, store_chunk_rows
 
 
@@ -230,10 +230,8 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             store_chunk_rows(dvn_tile, dk_wy, start, length, head, 0)
             for i in T.Parallel(CHUNK):
                 if i < length:
-                    dbeta[start + i, head] = ((red_s[P_L, i] + red_s[P_L + 1, i])
-                                              + ((red_s[P_X, i] + red_s[P_X + 1, i])
-                                                 + (red_s[P_X + 2, i] + red_s[P_X + 3, i])))
+                    dbeta[start + i, head] = row_sum(red_s, P_L, i) + col_sum(red_s, P_X, i)
                     dg[start + i, head] = T.cast(0, ACCUM)  # qk_grads adds its two parts
-                dgamma_wy[head, chunk_id, i] = (red_s[P_R, i] + red_s[P_R + 1, i]) - (red_s[P_C, i] + red_s[P_C + 1, i])
+                dgamma_wy[head, chunk_id, i] = row_sum(red_s, P_R, i) - row_sum(red_s, P_C, i)
 
     return wy_grads
