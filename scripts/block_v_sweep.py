@@ -34,7 +34,7 @@ _builders = (backward.build_chunk_states, backward.build_state_grads)
 def _use_stages(stages):
     """The backward's sequential kernels built with ``stages`` = (chunk_states', state_grads')
     pipeline stages."""
-    backward.build_chunk_states = lambda *a: build_chunk_states(*a, num_stages=stages[0])
+    backward.build_chunk_states = lambda *a, **kw: build_chunk_states(*a, num_stages=stages[0], **kw)
     backward.build_state_grads = lambda *a, **kw: build_state_grads(*a, num_stages=stages[1], **kw)
 
 

@@ -54,12 +54,12 @@ from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together, start_ahead
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, factors_buffer, flat_inputs,
-                         launch_prepare, prepare_buffers, with_bound)
+                         launch_prepare, prepare_buffers, with_bound, with_factor_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_grads import build_state_grads
-from .state_grads_roles import build_state_grads_roles
+from .state_grads_roles import WG_COLS, build_state_grads_roles
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 from .wy_grads import build_wy_grads
 
@@ -164,6 +164,27 @@ def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.de
     if run_chunks is not None and run_chunks <= SHORT_RUN_CHUNKS and ctas * (head_v // 32) <= sms:
         return 32
     return STATE_BLOCKS[-1]
+
+
+# The sequential passes read no W where all of V is one CTA's and CP is off: there the two of them
+# fill every SM side by side and are bound by memory traffic (s57, Nsight Compute, H200, 16/32 x
+# 8192x4: each at 79 % of DRAM bandwidth on its own, 423 and 438 us, and 794 us side by side), so
+# W's 16 KB a chunk and value head is worth more work a chunk. ``chunk_states`` forms V_new from K
+# and A_g (its ``form_w``: one more product on its chain); ``state_grads_roles``' producer forms W
+# from A_w (8 KB, written by ``prepare_wu`` instead of W: ``with_factor_w``) a chunk ahead, off the
+# chain. Narrower blocks are chosen where SMs would idle, i.e. where the chains set the pace.
+FORM_W = True
+
+
+def chunk_states_form_w(cp: bool, block_v: int, head_v: int) -> bool:
+    """Whether ``chunk_states`` forms W S itself (``FORM_W``)."""
+    return FORM_W and not cp and block_v == head_v
+
+
+def state_grads_form_w(cp: bool, block_v: int, head_v: int, roles: bool, prepare: bool) -> bool:
+    """Whether the state-gradient pass forms W from A_w (``FORM_W``): ``state_grads_roles`` with
+    two state warpgroups, behind this backward's own ``prepare_wu`` (the saved-state forward keeps W)."""
+    return chunk_states_form_w(cp, block_v, head_v) and roles and prepare and block_v > WG_COLS
 
 
 def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens,
@@ -334,12 +355,15 @@ class BackwardConfig:
         if self.truncate:
             self.outputs = with_bound(self.outputs)
         self.roles = roles_opted()
+        self.form_w = state_grads_form_w(self.cp, self.block_v, dv, self.roles, self.prepare)
+        if self.form_w:
+            self.outputs = with_factor_w(self.outputs)
         self.kept_size: int | None = None  # bytes of the buffers a call keeps (``kept_buffers``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
         cp, block_v, recompute = self.cp, self.block_v, self.recompute
         builders = _kernel_builders(dk, dv, tl_dtype, gate_tl, has_h0, has_dht, cp, block_v, self.prepare, recompute,
-                                    self.outputs, self.truncate, self.roles)
+                                    self.outputs, self.truncate, self.roles, self.form_w)
         # Compiled side by side at the first use (``prebuild``), with the varlen chunk map's kernels.
         key = ("backward", dk, dv, tl_dtype, gate_tl, index_tl, self.prepare, self.outputs, recompute, cp, has_h0,
                has_dht, block_v, self.roles)
@@ -404,7 +428,9 @@ class BackwardConfig:
                                       None if kept is None else kept.factors)
             launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
             qf, kf, vf, _, bf = flat
-            w, a_u, gamma, a_r, log_bound = buffers.w, buffers.a_u, buffers.gamma, buffers.a_r, buffers.log_bound
+            # (with form_w the state-gradient pass takes A_w in W's place and chunk_states reads neither)
+            w = buffers.a_w if self.form_w else buffers.w
+            a_u, gamma, a_r, log_bound = buffers.a_u, buffers.gamma, buffers.a_r, buffers.log_bound
             q_norm_inv, k_norm_inv = buffers.q_norm_inv, buffers.k_norm_inv
             del flat, buffers
         else:
@@ -501,7 +527,10 @@ class BackwardConfig:
                 if grads is not None and dv_local is not None:
                     main.wait_event(local_dv_done)
                 init = h0 if segs is None else run_init
-                kernels.chunk_states(kf, w, vf, a_u, gamma, k_norm_inv, runs, dh0 if init is None else init, h, v_new)
+                # (where the state-gradient pass takes A_w in W's place, chunk_states forms W S too and
+                # reads no W: any tensor of W's rank stands in)
+                kernels.chunk_states(kf, kf if self.form_w else w, vf, a_u, gamma, k_norm_inv, runs,
+                                     dh0 if init is None else init, h, v_new)
         finally:
             use(main)
         if grads is not None:
@@ -573,18 +602,21 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v, prepare, recompute,
-                     outputs, truncate=False, roles=True) -> BackwardKernels:
+                     outputs, truncate=False, roles=True, form_w=False) -> BackwardKernels:
     """``BackwardKernels`` of zero-argument builders (None: not launched): the one place that
     picks the backward's variants. ``outputs``: the prepare_wu variant; ``truncate``: CP's
     transitions, scans and first state-gradient pass truncated where gates decay; ``roles``: the
-    state-gradient passes form M^T dO (``state_grads_roles``, no ``local_dv``)."""
+    state-gradient passes form M^T dO (``state_grads_roles``, no ``local_dv``); ``form_w``: the
+    state-gradient pass forms W from A_w (``state_grads_form_w``)."""
     grads = build_state_grads_roles if roles else build_state_grads
+    grads_options = dict(form_w=True) if form_w else {}
     return BackwardKernels(
         prepare=(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs)) if prepare else None,
         local_dv=None if roles else (lambda: build_local_dv(dk, dv, tl_dtype)),
         # Kernels compiled without an initial state / dht do not read that argument.
-        chunk_states=(lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v)) if recompute else None,
-        state_grads=lambda: grads(dk, dv, tl_dtype, has_dht and not cp, block_v, window=truncate),
+        chunk_states=((lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v,
+                                                  form_w=chunk_states_form_w(cp, block_v, dv))) if recompute else None),
+        state_grads=lambda: grads(dk, dv, tl_dtype, has_dht and not cp, block_v, window=truncate, **grads_options),
         state_grads_incoming=(lambda: grads(dk, dv, tl_dtype, True, block_v)) if cp else None,
         transitions=((lambda: build_segment_state(dk, dv, tl_dtype, recompute, truncate=truncate,
                                                   reverse_window=truncate)) if cp else None),

@@ -34,6 +34,15 @@ row of those tokens is -inf), D and E, so the next sequence's dO never leaks in.
 
 With ``window`` (CP's first pass where the backward truncates) a segment's pass covers only
 its leading window, as in ``state_grads``.
+
+With ``form_w`` (two state warpgroups only, ``backward.state_grads_form_w``) the ``w`` argument is
+A_w = (e^gamma_i A_r[i, j] beta_j r_j) [chunks, Hv, 64, 64] (``prepare_wu``'s ``write_aw``, 8 KB a
+chunk and value head) instead of W [tokens, Hv, K] (16 KB): the producer forms W = A_w K, the
+product ``prepare_wu`` would have made from the same bf16 A_w and K (so W is the same bits), into
+the stage's W tile a chunk ahead of the state warpgroups, in two halves of 64 columns (its
+register budget). A_w has one buffer: the producer loads chunk c + 1's once chunk c's W products
+are done, a whole producer step before it needs it. Where the two sequential passes are bound by
+memory traffic, W's 8 KB a chunk less here (and ``prepare_wu``'s 8 KB less written) pays.
 """
 
 import functools
@@ -56,6 +65,9 @@ NUM_FACTORS = 8
 # Named barrier of state warpgroup w before its shared tiles are rewritten (after the previous
 # chunk's TMA stores have read them): WG_BARRIER + w.
 WG_BARRIER = 12
+# Named barrier of the producer's warps before A_w's buffer is reloaded (``form_w``): each warp
+# has waited for its own part of W's products only.
+PRODUCER_BARRIER = 14
 # Registers a thread by the number of state warpgroups: (at launch, as ptxas reports it; then each
 # state thread's, each producer thread's and each loader thread's by setmaxnreg; None: no loader).
 # One state warpgroup (up to 64 columns) runs beside a producer and a loader warpgroup, two
@@ -88,28 +100,33 @@ def roles_stages(block_v: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def build_state_grads_roles(head_k: int, head_v: int, dtype: str, has_dht: bool, block_v: int | None = None,
-                            window: bool = False, stages: int | None = None):
+                            window: bool = False, stages: int | None = None, form_w: bool = False):
     """Arguments ``(q, k, w, do, gamma, q_norm_inv, k_norm_inv, seg_info, dht, scale, dh, dv_new,
     dh0, log_bound)``: ``state_grads``' without ``dv_local``. ``log_bound`` is read only with
-    ``window`` (else any small fp32 buffer)."""
+    ``window`` (else any small fp32 buffer). ``form_w``: ``w`` is A_w (module docstring)."""
     block_v = block_v or head_v
     if window and has_dht:
         raise ValueError("state_grads_roles: the window pass starts from zero (no dht)")
     if block_v > WG_COLS and block_v % WG_COLS:
         raise ValueError(f"state_grads_roles: block_v={block_v} must be at most {WG_COLS} or a multiple of it")
+    if form_w and (has_loader(block_v) or head_k % WG_COLS):
+        raise ValueError(f"state_grads_roles: form_w needs two state warpgroups (block_v={block_v}) and K a multiple "
+                         f"of {WG_COLS} (head_k={head_k})")
     return Launcher(_state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window,
-                                              stages or roles_stages(block_v)))
+                                              stages or roles_stages(block_v), form_w))
 
 
 @T.macro
 def load_chunk(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, stage, start, chunk,
-               head, qk_head, v0, block_v):
-    """A chunk's tiles and its rows of gamma and the inverse norms by TMA, on ``loaded[stage]``.
-    Rows past a sequence's end are in bounds (the next sequence's, masked by the factors) or
-    clipped; the per-chunk rows are always 64 long."""
+               head, qk_head, v0, block_v, form_w=False):
+    """A chunk's tiles and its rows of gamma and the inverse norms by TMA, on ``loaded[stage]``
+    (W's tile too, unless the producer forms it: ``form_w``). Rows past a sequence's end are in
+    bounds (the next sequence's, masked by the factors) or clipped; the per-chunk rows are always
+    64 long."""
     T.tma_copy(q[start:start + CHUNK, qk_head, :], q_s[stage, :, :], barrier=loaded[stage])
     T.tma_copy(k[start:start + CHUNK, qk_head, :], k_s[stage, :, :], barrier=loaded[stage])
-    T.tma_copy(w[start:start + CHUNK, head, :], w_s[stage, :, :], barrier=loaded[stage])
+    if not form_w:
+        T.tma_copy(w[start:start + CHUNK, head, :], w_s[stage, :, :], barrier=loaded[stage])
     T.tma_copy(do[start:start + CHUNK, head, v0:v0 + block_v], do_s[stage, :, :], barrier=loaded[stage])
     load_chunk_rows(gamma, k_norm_inv, q_norm_inv, fac, loaded, stage, chunk, head, qk_head, F_GAMMA, F_KINV, F_QINV)
     T.barrier_arrive(loaded[stage])
@@ -158,18 +175,41 @@ def loader(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac,
 
 
 @T.macro
+def form_chunk_w(w, aw_s, aw_ready, k_s, w_s, w_acc, c, stage, first_chunk, num_chunks, head, head_k):
+    """Chunk c's W = A_w K into ``w_s[stage]`` (``form_w``), 64 columns at a time through ``w_acc``,
+    then chunk c + 1's A_w into ``aw_s`` (read by the products just waited for; every producer warp
+    past its wait first)."""
+    T.mbarrier_wait_parity(aw_ready, c % 2)
+    for half in T.unroll(head_k // WG_COLS):
+        T.wgmma_gemm(aw_s, k_s[stage, :, half * WG_COLS:(half + 1) * WG_COLS], w_acc, clear_accum=True)
+        T.wait_wgmma(0)
+        T.copy(w_acc, w_s[stage, :, half * WG_COLS:(half + 1) * WG_COLS])
+    if c + 1 < num_chunks:
+        T.sync_threads(PRODUCER_BARRIER, 128)
+        T.tma_copy(w[first_chunk + num_chunks - 2 - c, head, :, :], aw_s, barrier=aw_ready)
+        T.barrier_arrive(aw_ready)
+
+
+@T.macro
 def producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full, empty, scale,
-             seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v, stages, loads):
-    """Forms each chunk's factors and M^T. With ``loads`` (no loader warpgroup) it also loads
-    chunk c + stages - 1 once chunk c's M^T is handed over (its stage's last reader being chunk
-    c - 1), so a load has a whole chain step and more to land."""
+             seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v, stages, loads, form_w=False,
+             aw_s=None, aw_ready=None, head_k=128):
+    """Forms each chunk's factors and M^T (and with ``form_w`` its W, ``form_chunk_w``). With
+    ``loads`` (no loader warpgroup) it also loads chunk c + stages - 1 once chunk c's M^T is
+    handed over (its stage's last reader being chunk c - 1), so a load has a whole chain step and
+    more to land."""
     mt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then M^T
+    w_acc = T.alloc_fragment((CHUNK, WG_COLS), ACCUM) if form_w else None  # W, 64 columns at a time
+    if form_w:  # the first chunk's A_w (the sequence's last)
+        if num_chunks > 0:
+            T.tma_copy(w[first_chunk + num_chunks - 1, head, :, :], aw_s, barrier=aw_ready)
+            T.barrier_arrive(aw_ready)
     if loads:
         for n in T.serial(stages - 1):  # the first chunks' loads (chunk n: the sequence's (n+1)-th last)
             if n < num_chunks:
                 load_chunk(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, n,
                            seq_start + (num_chunks - 1 - n) * CHUNK, first_chunk + num_chunks - 1 - n, head, qk_head,
-                           v0, block_v)
+                           v0, block_v, form_w)
     for c in T.serial(num_chunks):
         T.mbarrier_wait_parity(loaded[c % stages], (c // stages) % 2)
         # K Q^T runs while the factors are formed (they read and write fac alone).
@@ -182,6 +222,8 @@ def producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fa
             # chunk is handed over).
             T.mbarrier_wait_parity(empty[(c - MT_BUFFERS) % stages], ((c - MT_BUFFERS) // stages) % 2)
         chunk_mt(mt, mt_s, fac, c % stages, c % MT_BUFFERS)
+        if form_w:
+            form_chunk_w(w, aw_s, aw_ready, k_s, w_s, w_acc, c, c % stages, first_chunk, num_chunks, head, head_k)
         T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
         T.barrier_arrive(full[c % stages])
         if loads and c + stages - 1 < num_chunks:
@@ -190,7 +232,7 @@ def producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fa
             T.mbarrier_wait_parity(empty[(c + stages - 1) % stages], (((c + stages - 1) // stages) % 2) ^ 1)
             load_chunk(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded,
                        (c + stages - 1) % stages, seq_start + (num_chunks - stages - c) * CHUNK,
-                       first_chunk + num_chunks - stages - c, head, qk_head, v0, block_v)
+                       first_chunk + num_chunks - stages - c, head, qk_head, v0, block_v, form_w)
 
 
 @T.macro
@@ -251,7 +293,7 @@ def state_warpgroup(wg, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_
 
 
 @jit
-def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, stages):
+def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, stages, form_w=False):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -264,12 +306,13 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
     threads = 128 * (num_wg + 1 + has_loader(block_v))
     producer0 = 128 * num_wg
     loader0 = producer0 + 128
+    w_shape = (num_chunks_total, num_v_heads, CHUNK, CHUNK) if form_w else (tokens, num_v_heads, head_k)
 
     @T.prim_func
     def state_grads_roles(
         q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        w: T.Tensor((tokens, num_v_heads, head_k), dtype),
+        w: T.Tensor(w_shape, dtype),  # W, or with form_w A_w
         do: T.Tensor((tokens, num_v_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
@@ -288,6 +331,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
             w_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             do_s = T.alloc_shared((stages, CHUNK, block_v), dtype)
             mt_s = T.alloc_shared((MT_BUFFERS, CHUNK, CHUNK), dtype)  # M^T, formed by the producer
+            aw_s = T.alloc_shared((CHUNK, CHUNK), dtype) if form_w else None  # A_w (form_w)
             fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)
             # Each state warpgroup's own tiles: dS' (bf16), -D dO, dV_new.
             ds_s0 = T.alloc_shared((head_k, cols), dtype)
@@ -300,6 +344,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
             loaded = T.alloc_barrier([128] * stages)
             full = T.alloc_barrier([128] * stages)
             empty = T.alloc_barrier([num_wg * 128] * stages)
+            aw_ready = T.alloc_barrier(128) if form_w else None
             bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM) if window else None
             lead_sum = T.alloc_local((1,), ACCUM) if window else None
             lead = T.alloc_local((1,), "int32") if window else None
@@ -328,7 +373,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
                     T.set_max_nreg(producer_regs, 0)
                     producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full,
                              empty, scale, seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v,
-                             stages, True)
+                             stages, True, form_w, aw_s, aw_ready, head_k)
                 elif tx >= 128:
                     T.set_max_nreg(state_regs, 1)
                     state_warpgroup(1, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_s, fac, mt_s, ds_s1,

@@ -17,12 +17,12 @@ from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS,
-                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_bound, with_inverse)
+                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_bound, with_factor_w, with_inverse)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_grads import build_state_grads
-from .state_grads_roles import build_state_grads_roles
+from .state_grads_roles import WG_COLS, build_state_grads_roles
 from .wy_grads import build_wy_grads
 from .state_output import build_state_output
 from .state_output_roles import build_state_output_roles
@@ -31,10 +31,12 @@ from .state_output_vmajor import build_state_output_vmajor
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
 # The forward's outputs alone (inference) and with A_r kept for a backward (training).
-# The backward's with CP also bound the transitions (backward.truncate_opted).
+# The backward's with CP also bound the transitions (backward.truncate_opted); without CP at all of
+# V a CTA they write A_w instead of W (backward.state_grads_form_w).
 PREPARE_OUTPUTS = (FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, with_inverse(FORWARD_OUTPUTS), with_inverse(FORWARD_CP_OUTPUTS),
                    BACKWARD_OUTPUTS, BACKWARD_FROM_INVERSE_OUTPUTS, SAVED_STATE_OUTPUTS, with_bound(BACKWARD_OUTPUTS),
-                   with_bound(BACKWARD_FROM_INVERSE_OUTPUTS))
+                   with_bound(BACKWARD_FROM_INVERSE_OUTPUTS), with_factor_w(BACKWARD_OUTPUTS),
+                   with_factor_w(BACKWARD_FROM_INVERSE_OUTPUTS))
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -46,7 +48,7 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # Outputs (write_inverse, write_u, write_au, write_w, write_bound, read_inverse): prepare_wu's *_OUTPUTS.
+    # Outputs (write_inverse, write_u, write_au, write_w, write_bound, read_inverse, write_aw): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
     # skip_first_m: the forward's without an initial state. truncate and form_w: the default
@@ -110,6 +112,9 @@ def backward_kernel_builders(head_dim: int, dtype: str):
     blocks = sorted({d, *STATE_BLOCKS}) if d == 128 else [d]
     builders = [(f"chunk_states[{dtype},h0={h0},bv={bv}]", lambda h0=h0, bv=bv: build_chunk_states(d, d, dtype, h0, bv))
                 for h0, bv in itertools.product((False, True), blocks)]
+    # W S formed from K and A_g where all of V is a CTA's and CP is off (backward.chunk_states_form_w).
+    builders += [(f"chunk_states[{dtype},h0={h0},bv={d},form_w=True]",
+                  lambda h0=h0: build_chunk_states(d, d, dtype, h0, d, form_w=True)) for h0 in (False, True)]
     builders += [(f"state_grads[{dtype},dht={dht},bv={bv}]",
                   lambda dht=dht, bv=bv: build_state_grads(d, d, dtype, dht, bv))
                  for dht, bv in itertools.product((False, True), blocks)]
@@ -123,6 +128,10 @@ def backward_kernel_builders(head_dim: int, dtype: str):
                  for dht, bv in itertools.product((False, True), blocks)]
     builders.append((f"state_grads_roles[{dtype},dht=False,bv={cp_block},window=True]",
                      lambda: build_state_grads_roles(d, d, dtype, False, cp_block, window=True)))
+    # W formed from A_w by the producer where all of V is a CTA's and CP is off (backward.state_grads_form_w).
+    if d > WG_COLS:
+        builders += [(f"state_grads_roles[{dtype},dht={dht},bv={d},form_w=True]",
+                      lambda dht=dht: build_state_grads_roles(d, d, dtype, dht, d, form_w=True)) for dht in (False, True)]
     builders += [(f"wy_grads[{dtype},{gd}]", lambda gd=gd: build_wy_grads(d, d, dtype, gd))
                  for gd in sorted({"float32", dtype})]
     builders.append((f"local_dv[{dtype}]", lambda: build_local_dv(d, d, dtype)))

@@ -75,6 +75,37 @@ def test_state_grads_roles_extreme_gates_and_ragged_tails(monkeypatch, block_v):
     _assert_stages_match(got, ref, real)
 
 
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("form_w", [True, False])
+def test_sequential_passes_forming_w_match_reference(monkeypatch, form_w, l2):
+    """All of V a CTA with CP off, where the sequential passes read no W (form_w, the default
+    there: ``chunk_states`` forms V_new = A_g (V - diag(e^gamma r) K S), ``state_grads_roles``'
+    producer W = A_w K from ``prepare_wu``'s A_w), and the variants that read W: every
+    intermediate against the fp64 chunked backward, with h0 and dht, gates up to -20 a token,
+    zero-decay heads and sequences ending mid-chunk (X's rows past the end meet A_g's zero columns)."""
+    from flash_gdn.hopper import backward
+
+    monkeypatch.setenv("FLASH_GDN_CP", "0")
+    monkeypatch.setattr(backward, "FORM_W", form_w)
+    monkeypatch.setattr(backward, "state_block_v", lambda head_v, *args: head_v)
+    got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, l2=l2, gate=(0.0, 20.0), zero_decay_heads=2)
+    _assert_stages_match(got, ref, real)
+
+
+@pytest.mark.parametrize("inverse", ["solved", "from_forward"])
+def test_backward_forming_w_matches_naive_autograd(monkeypatch, inverse):
+    """The whole backward with the sequential passes forming W (all of V a CTA, CP off) against
+    fp64 autograd, behind ``prepare_wu`` solving for the chunk inverse or reading the forward's A_r
+    (the two variants that write A_w instead of W)."""
+    from flash_gdn.hopper import backward
+
+    monkeypatch.setenv("FLASH_GDN_CP", "0")
+    monkeypatch.setattr(backward, "state_block_v", lambda head_v, *args: head_v)
+    _check_whole_backward(LENGTHS, 2, 8, True, False, inverse=inverse)
+    (config,) = backward._CONFIGS.values()
+    assert config.form_w and config.outputs[-1] and not config.outputs[3]  # (A_w written, W not)
+
+
 @pytest.mark.parametrize("seg_chunks,l2,h0_dht,roles", [(1, False, True, "1"), (3, True, True, "1"), (2, False, False, "1"),
                                                        (3, False, True, "0")])
 def test_context_parallel_backward_stages_match_reference(monkeypatch, seg_chunks, l2, h0_dht, roles):

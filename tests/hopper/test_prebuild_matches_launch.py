@@ -221,6 +221,29 @@ def test_backward_decisions_are_kept_per_configuration(recorder):
     assert not backward._CONFIGS and not backward._KEPT
 
 
+@pytest.mark.parametrize("roles", ["1", "0"])
+@pytest.mark.parametrize("lengths, hqk, hv, wide", [([256] * 4, 8, 40, True), ([8192], 2, 4, False)])
+def test_the_sequential_passes_read_no_w_where_they_fill_the_gpu(recorder, monkeypatch, lengths, hqk, hv, wide, roles):
+    """Where all of V is a CTA's and CP is off (runs x heads fill the SMs), ``chunk_states`` forms
+    V_new from K and A_g and, with ``state_grads_roles``, the state-gradient pass forms W from A_w,
+    which ``prepare_wu`` writes instead of W; elsewhere (CP, narrower blocks, or the pipelined
+    ``state_grads``, which reads W) W is written and read as before."""
+    from flash_gdn.hopper import backward
+    from flash_gdn.hopper.forward import hopper_forward
+
+    monkeypatch.setenv("FLASH_GDN_STATE_GRADS_ROLES", roles)
+    q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
+    _, _, extras = hopper_forward(q, k, v, g, beta, problem, None, True, False, cu, False, for_backward=True)
+    backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, False, cu, extras)
+    (config,) = backward._CONFIGS.values()
+    assert config.form_w == (wide and roles == "1"), (config.cp, config.block_v, config.roles, config.prepare)
+    assert config.outputs[3] != config.form_w and config.outputs[6] == config.form_w  # (write_w, write_aw)
+    chunk_states = [v for v in recorder.launched if v[0] == "build_chunk_states"]
+    grads = [v for v in recorder.launched if v[0] in ("build_state_grads_roles", "build_state_grads")]
+    assert [("form_w", wide) in variant[2] for variant in chunk_states] == [True]
+    assert any(("form_w", True) in variant[2] for variant in grads) == config.form_w
+
+
 @pytest.mark.parametrize("lengths, hqk, hv", [([8192], 16, 32), ([4096, 4096], 32, 32), ([8192], 16, 48)])
 def test_the_cp_workspaces_of_host_bound_rows_are_kept(recorder, lengths, hqk, hv):
     """The CP forward's workspace of these table rows (64-104 MiB; their kernels take 0.14-0.22 ms
