@@ -177,8 +177,10 @@ FORM_W = True
 
 
 def chunk_states_form_w(cp: bool, block_v: int, head_v: int) -> bool:
-    """Whether ``chunk_states`` forms W S itself (``FORM_W``)."""
-    return FORM_W and not cp and block_v == head_v
+    """Whether ``chunk_states`` forms W S itself (``FORM_W``). At V = 128 only: there all of V a CTA
+    means that runs x heads fill the SMs (``state_block_v``); at other V the block is always all
+    of V, whatever the fill, and this has not been measured."""
+    return FORM_W and not cp and head_v == 128 and block_v == head_v
 
 
 def state_grads_form_w(cp: bool, block_v: int, head_v: int, roles: bool, prepare: bool) -> bool:

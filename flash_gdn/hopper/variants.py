@@ -22,7 +22,7 @@ from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
 from .state_grads import build_state_grads
-from .state_grads_roles import WG_COLS, build_state_grads_roles
+from .state_grads_roles import build_state_grads_roles
 from .wy_grads import build_wy_grads
 from .state_output import build_state_output
 from .state_output_roles import build_state_output_roles
@@ -112,9 +112,10 @@ def backward_kernel_builders(head_dim: int, dtype: str):
     blocks = sorted({d, *STATE_BLOCKS}) if d == 128 else [d]
     builders = [(f"chunk_states[{dtype},h0={h0},bv={bv}]", lambda h0=h0, bv=bv: build_chunk_states(d, d, dtype, h0, bv))
                 for h0, bv in itertools.product((False, True), blocks)]
-    # W S formed from K and A_g where all of V is a CTA's and CP is off (backward.chunk_states_form_w).
-    builders += [(f"chunk_states[{dtype},h0={h0},bv={d},form_w=True]",
-                  lambda h0=h0: build_chunk_states(d, d, dtype, h0, d, form_w=True)) for h0 in (False, True)]
+    # W S formed from K and A_g where all of V is a CTA's and CP is off, at V = 128 (backward.chunk_states_form_w).
+    if d == 128:
+        builders += [(f"chunk_states[{dtype},h0={h0},bv={d},form_w=True]",
+                      lambda h0=h0: build_chunk_states(d, d, dtype, h0, d, form_w=True)) for h0 in (False, True)]
     builders += [(f"state_grads[{dtype},dht={dht},bv={bv}]",
                   lambda dht=dht, bv=bv: build_state_grads(d, d, dtype, dht, bv))
                  for dht, bv in itertools.product((False, True), blocks)]
@@ -129,7 +130,7 @@ def backward_kernel_builders(head_dim: int, dtype: str):
     builders.append((f"state_grads_roles[{dtype},dht=False,bv={cp_block},window=True]",
                      lambda: build_state_grads_roles(d, d, dtype, False, cp_block, window=True)))
     # W formed from A_w by the producer where all of V is a CTA's and CP is off (backward.state_grads_form_w).
-    if d > WG_COLS:
+    if d == 128:
         builders += [(f"state_grads_roles[{dtype},dht={dht},bv={d},form_w=True]",
                       lambda dht=dht: build_state_grads_roles(d, d, dtype, dht, d, form_w=True)) for dht in (False, True)]
     builders += [(f"wy_grads[{dtype},{gd}]", lambda gd=gd: build_wy_grads(d, d, dtype, gd))
