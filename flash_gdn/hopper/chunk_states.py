@@ -119,19 +119,24 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                 start = seq_start + c * CHUNK
                 length = T.min(seq_end - start, CHUNK)
                 T.copy(state, state_s)
+                # The first products run on the tensor cores while the start state goes out and the
+                # row factors are formed: W S and U = A_g V, or with form_w K S alone.
                 if form_w:
-                    # K S runs while the start state goes out and the row factors are formed; then
-                    # X = V - diag(e^gamma r) K S in bf16 (vnk_s: free, the last chunk's update is
-                    # done) and V_new = A_g X. (Rows of X past the end are A_g's zero columns.)
                     T.wgmma_gemm(k_tile, state_s, vn, clear_accum=True)
-                    T.tma_copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])  # waited for at the chunk's end
-                    gamma_last = gamma_s[length - 1]
-                    for i in T.Parallel(CHUNK):
-                        k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i],
-                                                    T.cast(0, ACCUM))
+                else:
+                    T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
+                    T.wgmma_gemm(au_tile, v_tile, u_acc, clear_accum=True)
+                T.tma_copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])  # waited for at the chunk's end
+                gamma_last = gamma_s[length - 1]
+                for i in T.Parallel(CHUNK):
+                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+                    if form_w:
                         w_scale[i] = T.__exp(gamma_s[i]) * k_inv[i]
-                    decay = T.__exp(gamma_last)
-                    T.wait_wgmma(0)
+                decay = T.__exp(gamma_last)
+                T.wait_wgmma(0)
+                if form_w:
+                    # X = V - diag(e^gamma r) K S in bf16 (vnk_s: free, the last chunk's update is done),
+                    # then V_new = A_g X (zero past the end; X's rows there meet A_g's zero columns).
                     for i, j in T.Parallel(CHUNK, block_v):
                         vn[i, j] = T.cast(v_tile[i, j], ACCUM) - w_scale[i] * vn[i, j]
                     T.copy(vn, vnk_s)
@@ -142,17 +147,6 @@ def _chunk_states_kernel(head_k, head_v, dtype, has_initial, block_v, num_stages
                     for i, j in T.Parallel(CHUNK, block_v):
                         vn[i, j] = T.Select(i < length, vn[i, j], T.cast(0, ACCUM))
                 else:
-                    # W S and U = A_g V run on the tensor cores while the start state goes out and
-                    # the row factors are formed.
-                    T.wgmma_gemm(w_tile, state_s, vn, clear_accum=True)
-                    T.wgmma_gemm(au_tile, v_tile, u_acc, clear_accum=True)
-                    T.tma_copy(state_s, h[first_chunk + c, head, 0:head_k, v0:v0 + block_v])  # waited for at the chunk's end
-                    gamma_last = gamma_s[length - 1]
-                    for i in T.Parallel(CHUNK):
-                        k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i],
-                                                    T.cast(0, ACCUM))
-                    decay = T.__exp(gamma_last)
-                    T.wait_wgmma(0)
                     if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
                         sink = w_tile[0, 0] + v_tile[0, 0] + au_tile[0, 0]
                     # V_new = U - W S (zero past the end).
