@@ -38,7 +38,7 @@ its leading window, as in ``state_grads``.
 With ``form_w`` (two state warpgroups only, ``backward.state_grads_form_w``) the ``w`` argument is
 A_w = (e^gamma_i A_r[i, j] beta_j r_j) [chunks, Hv, 64, 64] (``prepare_wu``'s ``write_aw``, 8 KB a
 chunk and value head) instead of W [tokens, Hv, K] (16 KB): the producer forms W = A_w K, the
-product ``prepare_wu`` would have made from the same bf16 A_w and K (so W is the same bits), into
+product ``prepare_wu`` would have made from the same bf16 A_w and K (fp32 sums, rounded to bf16), into
 the stage's W tile a chunk ahead of the state warpgroups, in two halves of 64 columns (its
 register budget). A_w has one buffer: the producer loads chunk c + 1's once chunk c's W products
 are done, a whole producer step before it needs it. Where the two sequential passes are bound by
