@@ -63,7 +63,7 @@ PRODUCER_ENDS = (
     ("(num_chunks - 1 - c) * CHUNK, CHUNK), scale)\n", 1, 8),
     ("        T.barrier_arrive(full[c % stages])\n", 3, 8),
     ("(((c + stages - 1) // stages) % 2) ^ 1)\n", 4, 12),
-    ("first_chunk + num_chunks - stages - c, head, qk_head, v0, block_v)\n", 5, 12),
+    ("first_chunk + num_chunks - stages - c, head, qk_head, v0, block_v, form_w)\n", 5, 12),
 )
 STATE_ENDS = (
     ("        T.mbarrier_wait_parity(full[c % stages], (c // stages) % 2)\n", 0),
@@ -115,9 +115,12 @@ def probed_source() -> str:
     s = _replace(s, "            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)\n",
                  "            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)\n"
                  "            probe_s = T.alloc_shared((8,), ACCUM)\n")
-    s = _replace(s, "block_v, stages, loads):\n", "block_v, stages, loads, probe_s):\n")  # producer's parameters
-    for loads in ("True", "False"):  # the producer's two call sites
-        s = _replace(s, f"stages, {loads})\n", f"stages, {loads}, probe_s)\n")
+    s = _replace(s, "aw_s=None, aw_ready=None, head_k=128):\n",
+                 "aw_s=None, aw_ready=None, head_k=128, probe_s=None):\n")  # producer's parameters
+    # the producer's two call sites (two state warpgroups, and one beside a loader)
+    s = _replace(s, "stages, True, form_w, aw_s, aw_ready, head_k)\n", "stages, True, form_w, aw_s, aw_ready, head_k, "
+                 "probe_s=probe_s)\n")
+    s = _replace(s, "stages, False)\n", "stages, False, probe_s=probe_s)\n")
     s = _replace(s, "num_chunks, v0):\n", "num_chunks, v0, probe_s):\n")  # state_warpgroup's parameters
     s = _replace(s, "first_chunk, num_chunks, v0)\n", "first_chunk, num_chunks, v0, probe_s)\n", 3)
     return s
