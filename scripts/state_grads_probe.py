@@ -27,7 +27,7 @@ STATE_PHASES = ("full wait", "store wait + barrier", "dS' copy + decay", "produc
                 "products 1 wait", "dV_new", "products 2 issue, dV_new store", "products 2 wait + empty")
 PRODUCER_PHASES = ("loaded wait", "K Q^T issue + factors", "K Q^T wait + M^T buffer wait", "M^T pass + full",
                    "empty wait", "loads issue")
-PROBE_BARRIER = 15  # the producer and state warpgroup 0 meet here at the end (the kernel uses 3-5, 12, 13)
+PROBE_BARRIER = 15  # the producer and state warpgroup 0 meet here at the end (the kernel uses 3-5, 12-14)
 
 _STAMP_MACRO = '''
 

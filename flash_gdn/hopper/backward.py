@@ -59,7 +59,7 @@ from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_grads import build_state_grads
-from .state_grads_roles import WG_COLS, build_state_grads_roles
+from .state_grads_roles import build_state_grads_roles
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
 from .wy_grads import build_wy_grads
 
@@ -184,9 +184,10 @@ def chunk_states_form_w(cp: bool, block_v: int, head_v: int) -> bool:
 
 
 def state_grads_form_w(cp: bool, block_v: int, head_v: int, roles: bool, prepare: bool) -> bool:
-    """Whether the state-gradient pass forms W from A_w (``FORM_W``): ``state_grads_roles`` with
-    two state warpgroups, behind this backward's own ``prepare_wu`` (the saved-state forward keeps W)."""
-    return chunk_states_form_w(cp, block_v, head_v) and roles and prepare and block_v > WG_COLS
+    """Whether the state-gradient pass forms W from A_w (``FORM_W``): ``state_grads_roles`` (at all
+    of V = 128 a CTA, two state warpgroups), behind this backward's own ``prepare_wu`` (the
+    saved-state forward keeps W)."""
+    return chunk_states_form_w(cp, block_v, head_v) and roles and prepare
 
 
 def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens,
