@@ -115,11 +115,11 @@ def probed_source() -> str:
     s = _replace(s, "            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)\n",
                  "            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)\n"
                  "            probe_s = T.alloc_shared((8,), ACCUM)\n")
-    s = _replace(s, "aw_s=None, aw_ready=None, head_k=128):\n",
-                 "aw_s=None, aw_ready=None, head_k=128, probe_s=None):\n")  # producer's parameters
+    s = _replace(s, "ag_s=None, ag_ready=None, head_k=128, dtype=\"bfloat16\"):\n",
+                 "ag_s=None, ag_ready=None, head_k=128, dtype=\"bfloat16\", probe_s=None):\n")  # producer's parameters
     # the producer's two call sites (two state warpgroups, and one beside a loader)
-    s = _replace(s, "stages, True, form_w, aw_s, aw_ready, head_k)\n", "stages, True, form_w, aw_s, aw_ready, head_k, "
-                 "probe_s=probe_s)\n")
+    s = _replace(s, "stages, True, form_w, ag_s, ag_ready, head_k, dtype)\n",
+                 "stages, True, form_w, ag_s, ag_ready, head_k, dtype, probe_s=probe_s)\n")
     s = _replace(s, "stages, False)\n", "stages, False, probe_s=probe_s)\n")
     s = _replace(s, "num_chunks, v0):\n", "num_chunks, v0, probe_s):\n")  # state_warpgroup's parameters
     s = _replace(s, "first_chunk, num_chunks, v0)\n", "first_chunk, num_chunks, v0, probe_s)\n", 3)

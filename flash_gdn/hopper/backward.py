@@ -54,7 +54,7 @@ from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together, start_ahead
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, factors_buffer, flat_inputs,
-                         launch_prepare, prepare_buffers, with_bound, with_factor_w)
+                         launch_prepare, prepare_buffers, with_bound, without_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
@@ -171,8 +171,8 @@ def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.de
 # 8192x4: each at 79 % of DRAM bandwidth on its own, 423 and 438 us, and 794 us side by side), so
 # W's 16 KB a chunk and value head is worth more work a chunk. ``chunk_states`` forms V_new from K
 # and A_g (its ``form_w``: one more product on its chain); ``state_grads_roles``' producer forms W
-# from A_w (8 KB, written by ``prepare_wu`` instead of W: ``with_factor_w``) a chunk ahead, off the
-# chain. Narrower blocks are chosen where SMs would idle, i.e. where the chains set the pace.
+# from K and A_g (which ``chunk_states`` reads too) a chunk ahead, off the chain, so ``prepare_wu``
+# writes no W (``without_w``). Narrower blocks are chosen where SMs would idle, i.e. where the chains set the pace.
 FORM_W = True
 
 
@@ -184,7 +184,7 @@ def chunk_states_form_w(cp: bool, block_v: int, head_v: int) -> bool:
 
 
 def state_grads_form_w(cp: bool, block_v: int, head_v: int, roles: bool, prepare: bool) -> bool:
-    """Whether the state-gradient pass forms W from A_w (``FORM_W``): ``state_grads_roles`` (at all
+    """Whether the state-gradient pass forms W from K and A_g (``FORM_W``): ``state_grads_roles`` (at all
     of V = 128 a CTA, two state warpgroups), behind this backward's own ``prepare_wu`` (the
     saved-state forward keeps W)."""
     return chunk_states_form_w(cp, block_v, head_v) and roles and prepare
@@ -360,7 +360,7 @@ class BackwardConfig:
         self.roles = roles_opted()
         self.form_w = state_grads_form_w(self.cp, self.block_v, dv, self.roles, self.prepare)
         if self.form_w:
-            self.outputs = with_factor_w(self.outputs)
+            self.outputs = without_w(self.outputs)
         self.kept_size: int | None = None  # bytes of the buffers a call keeps (``kept_buffers``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
@@ -431,8 +431,8 @@ class BackwardConfig:
                                       None if kept is None else kept.factors)
             launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
             qf, kf, vf, _, bf = flat
-            # (with form_w the state-gradient pass takes A_w in W's place and chunk_states reads neither)
-            w = buffers.a_w if self.form_w else buffers.w
+            # (with form_w the state-gradient pass takes A_g in W's place and chunk_states reads neither)
+            w = buffers.a_u if self.form_w else buffers.w
             a_u, gamma, a_r, log_bound = buffers.a_u, buffers.gamma, buffers.a_r, buffers.log_bound
             q_norm_inv, k_norm_inv = buffers.q_norm_inv, buffers.k_norm_inv
             del flat, buffers
@@ -530,7 +530,7 @@ class BackwardConfig:
                 if grads is not None and dv_local is not None:
                     main.wait_event(local_dv_done)
                 init = h0 if segs is None else run_init
-                # (where the state-gradient pass takes A_w in W's place, chunk_states forms W S too and
+                # (where the state-gradient pass takes A_g in W's place, chunk_states forms W S too and
                 # reads no W: any tensor of W's rank stands in)
                 kernels.chunk_states(kf, kf if self.form_w else w, vf, a_u, gamma, k_norm_inv, runs,
                                      dh0 if init is None else init, h, v_new)
@@ -610,7 +610,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v,
     picks the backward's variants. ``outputs``: the prepare_wu variant; ``truncate``: CP's
     transitions, scans and first state-gradient pass truncated where gates decay; ``roles``: the
     state-gradient passes form M^T dO (``state_grads_roles``, no ``local_dv``); ``form_w``: the
-    state-gradient pass forms W from A_w (``state_grads_form_w``)."""
+    state-gradient pass forms W from K and A_g (``state_grads_form_w``)."""
     grads = build_state_grads_roles if roles else build_state_grads
     grads_options = dict(form_w=True) if form_w else {}
     return BackwardKernels(

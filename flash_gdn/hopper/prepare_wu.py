@@ -45,7 +45,7 @@ from .tiles import (ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inve
 
 
 # What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound,
-# read_inverse, write_aw): the forward's state kernel and its CP segment transitions form U from A_g and
+# read_inverse): the forward's state kernel and its CP segment transitions form U from A_g and
 # W S from K and A_g (so W is not written); the CP forward also needs each chunk's bound on the
 # norm of its transition (``write_bound``, for ``segment_state``'s truncation); the backward
 # reads W and also needs A_r, which a forward run for a backward keeps (``with_inverse``: the
@@ -53,15 +53,14 @@ from .tiles import (ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inve
 # solving again, ``read_inverse``); the forward that saves its chunk states runs
 # ``state_output``, which reads U and W, and keeps A_r and W for the backward; the backward with
 # CP bounds the transitions too (its segment passes truncate where gates decay); where the
-# backward's state-gradient pass forms W itself (``backward.state_grads_form_w``) it takes
-# A_w = (e^gamma_i A_r[i, j] beta_j r_j), 8 KB a chunk and value head, instead of W's 16
-# (``write_aw``, ``with_factor_w``). The launch code and the prebuild lists (forward_builders,
+# backward's two sequential passes form W S and W themselves (``backward.state_grads_form_w``)
+# no W is written (``without_w``). The launch code and the prebuild lists (forward_builders,
 # backward._kernel_builders, variants) all take these.
-FORWARD_OUTPUTS = (False, False, True, False, False, False, False)
-FORWARD_CP_OUTPUTS = (False, False, True, False, True, False, False)
-BACKWARD_OUTPUTS = (True, False, True, True, False, False, False)
-BACKWARD_FROM_INVERSE_OUTPUTS = (False, False, True, True, False, True, False)
-SAVED_STATE_OUTPUTS = (True, True, False, True, False, False, False)
+FORWARD_OUTPUTS = (False, False, True, False, False, False)
+FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
+BACKWARD_OUTPUTS = (True, False, True, True, False, False)
+BACKWARD_FROM_INVERSE_OUTPUTS = (False, False, True, True, False, True)
+SAVED_STATE_OUTPUTS = (True, True, False, True, False, False)
 # ``normalize``, the kernel's runtime switch of the fused L2 norm: 0 none (the inverse norms
 # written as 1), 1 both q's and k's norms, NORMALIZE_K_ONLY k's alone, where the state kernel
 # forms q's from its own q tile (``state_output_roles`` with ``q_norms``: q then goes through HBM
@@ -88,23 +87,23 @@ def with_bound(outputs: tuple) -> tuple:
     return (*outputs[:4], True, *outputs[5:])
 
 
-def with_factor_w(outputs: tuple) -> tuple:
-    """``outputs`` that write A_w (W's left factor, W = A_w K) instead of W."""
-    return (*outputs[:3], False, *outputs[4:6], True)
+def without_w(outputs: tuple) -> tuple:
+    """``outputs`` that write no W (the backward's sequential passes form it from K and A_g)."""
+    return (*outputs[:3], False, *outputs[4:])
 
 
 @functools.lru_cache(maxsize=None)
 def build_prepare_wu(head_k: int, head_v: int, dtype: str, gate_dtype: str, write_inverse: bool = False,
                      write_u: bool = True, write_au: bool = False, write_w: bool = True, write_bound: bool = False,
-                     read_inverse: bool = False, write_aw: bool = False, mma_inverse: bool = MMA_INVERSE):
+                     read_inverse: bool = False, mma_inverse: bool = MMA_INVERSE):
     """``mma_inverse``: the chunk inverse by ``mma_inverse`` (else ``tiles.blocked_unit_lower_inverse``)."""
     return Launcher(_prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w,
-                                       write_bound, read_inverse, write_aw, mma_inverse))
+                                       write_bound, read_inverse, mma_inverse))
 
 
 @jit
 def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u, write_au, write_w, write_bound,
-                       read_inverse, write_aw=False, mma_inverse=MMA_INVERSE, threads=128):
+                       read_inverse, mma_inverse=MMA_INVERSE, threads=128):
     assert not (read_inverse and write_inverse), "A_r is read or made, not both"
     # Where A_r itself is neither kept nor read (the forward-only variants, which write A_g alone),
     # the inverse is taken of the gated matrix: I + D L D^-1 = D (I + L) D^-1 with D = diag(e^gamma)
@@ -117,7 +116,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     # L's zeros), so no select. D L D^-1 is no
     # larger than L element by element (exponents <= 0), so its fp16 copy for the merges is no
     # less accurate.
-    gated = not write_inverse and not read_inverse and not write_w and not write_u and not write_aw
+    gated = not write_inverse and not read_inverse and not write_w and not write_u
     mma = mma_inverse and not read_inverse  # (reading A_r, no inverse is taken)
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -132,8 +131,6 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     u_heads = T.dynamic("u_heads") if not write_u else num_v_heads
     au_chunks = T.dynamic("au_chunks")
     au_heads = T.dynamic("au_heads")
-    aw_chunks = T.dynamic("aw_chunks")
-    aw_heads = T.dynamic("aw_heads")
     w_tokens = T.dynamic("w_tokens") if not write_w else tokens
     w_heads = T.dynamic("w_heads") if not write_w else num_v_heads
     bound_heads = T.dynamic("bound_heads") if not write_bound else num_v_heads
@@ -156,7 +153,6 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
         a_r: T.Tensor((inverse_chunks, inverse_heads, CHUNK, CHUNK), HALF),
         a_u_out: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
         log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
-        a_w_out: T.Tensor((aw_chunks, aw_heads, CHUNK, CHUNK), dtype),
     ):
         with T.Kernel(num_chunks, num_v_heads, threads=threads, prelude=INVERSE64_PRELUDE if mma else None) as (
                 chunk_id, head):
@@ -182,7 +178,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             column = T.alloc_local((BLOCK,), ACCUM) if blocked else None
             inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
-            a_w = T.alloc_shared((CHUNK, CHUNK), dtype) if write_w or write_aw else None
+            a_w = T.alloc_shared((CHUNK, CHUNK), dtype) if write_w else None
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             u_acc = T.alloc_fragment((CHUNK, head_v), ACCUM) if write_u else None
             w_acc = T.alloc_fragment((CHUNK, head_k), ACCUM) if write_w else None
@@ -300,12 +296,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
 
             # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
             # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
-            if write_w or write_aw:
+            if write_w:
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
                 T.copy(kkt, a_w)
-            if write_aw:  # whole, as W's product reads it (rows and columns past the chunk's end are zero)
-                T.copy(a_w, a_w_out[chunk_id, head, 0:CHUNK, 0:CHUNK])
             if gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     inv[i, j] = inv[i, j] * beta_s[j]
@@ -442,7 +436,6 @@ class PrepareBuffers(NamedTuple):
     k_norm_inv: torch.Tensor
     a_r: torch.Tensor
     log_bound: torch.Tensor
-    a_w: torch.Tensor
 
 
 def factors_buffer(problem, num_chunks: int, write_bound: bool, dev: torch.device) -> torch.Tensor:
@@ -459,14 +452,12 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
     """``prepare_wu``'s output buffers for ``num_chunks`` chunks (the plan's capacity);
     ``outputs`` as in ``run_prepare``; ``a_r``: the forward's A_r where the variant reads it;
     ``factors``: a ``factors_buffer`` of the caller's (kept between calls), else a new one."""
-    write_inverse, write_u, write_au, write_w, write_bound, read_inverse, write_aw = outputs
+    write_inverse, write_u, write_au, write_w, write_bound, read_inverse = outputs
     tokens = problem.batch * problem.seq_len
     hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))
     a_u = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=dtype, device=dev) if write_au
-           else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
-    a_w = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=dtype, device=dev) if write_aw
            else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
     # gamma per value head and chunk (gamma_C past the chunk's end): one 16-byte-aligned TMA box;
     # the inverse row norms of q and k alike per q/k head. One allocation for the three (host
@@ -487,7 +478,7 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
         a_r = torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev)
     else:
         a_r = unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK))
-    return PrepareBuffers(w, u, a_u, gamma, q_norm_inv, k_norm_inv, a_r, log_bound, a_w)
+    return PrepareBuffers(w, u, a_u, gamma, q_norm_inv, k_norm_inv, a_r, log_bound)
 
 
 def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareBuffers, use_l2: bool,
@@ -498,7 +489,7 @@ def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareB
     qf, kf, vf, gf, bf = flat
     normalize = (1 if q_norms else NORMALIZE_K_ONLY) if use_l2 else 0
     kernel(kf, vf, gf, bf, plan.chunk_bounds, out.w, out.u, out.gamma, qf, normalize, out.q_norm_inv,
-           out.k_norm_inv, out.a_r, out.a_u, out.log_bound, out.a_w)
+           out.k_norm_inv, out.a_r, out.a_u, out.log_bound)
 
 
 def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks: int | None = None,
@@ -508,11 +499,11 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     them where lengths allow: ``planning.balanced_segment_chunks``, or with ``wave_ctas``
     ``planning.wave_segment_chunks``; for context parallelism) and
     launch ``prepare_wu`` (no host synchronisation). ``outputs``: (write_inverse, write_u,
-    write_au, write_w, write_bound, read_inverse, write_aw), one of the ``*_OUTPUTS`` above; A_r costs 128
+    write_au, write_w, write_bound, read_inverse), one of the ``*_OUTPUTS`` above; A_r costs 128
     bytes per token and value head. ``a_r``: with ``read_inverse``, the forward's A_r (the chunk
     numbering depends on the sequences alone, not on the segments, so it matches this plan's).
     ``kernel``: the variant for ``outputs``, where the caller has it resolved already."""
-    write_inverse, write_u, write_au, write_w, write_bound, read_inverse, _ = outputs
+    write_inverse, write_u, write_au, write_w, write_bound, read_inverse = outputs
     dtype, dev = q.dtype, q.device
     gate_dtype = kernel_gate_dtype(g, beta, dtype)
     flat = flat_inputs(q, k, v, g, beta, problem, gate_dtype)

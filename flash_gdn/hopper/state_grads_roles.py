@@ -36,13 +36,12 @@ With ``window`` (CP's first pass where the backward truncates) a segment's pass 
 its leading window, as in ``state_grads``.
 
 With ``form_w`` (two state warpgroups only, ``backward.state_grads_form_w``) the ``w`` argument is
-A_w = (e^gamma_i A_r[i, j] beta_j r_j) [chunks, Hv, 64, 64] (``prepare_wu``'s ``write_aw``, 8 KB a
-chunk and value head) instead of W [tokens, Hv, K] (16 KB): the producer forms W = A_w K, the
-product ``prepare_wu`` would have made from the same bf16 A_w and K (fp32 sums, rounded to bf16), into
-the stage's W tile a chunk ahead of the state warpgroups, in two halves of 64 columns (its
-register budget). A_w has one buffer: the producer loads chunk c + 1's once chunk c's W products
-are done, a whole producer step before it needs it. Where the two sequential passes are bound by
-memory traffic, W's 8 KB a chunk less here (and ``prepare_wu``'s 8 KB less written) pays.
+A_g [chunks, Hv, 64, 64] (``prepare_wu``'s, which ``chunk_states`` reads too) instead of W [tokens,
+Hv, K]: the producer forms A_w = A_g diag(e^gamma r) in registers (bf16, the left operand of an RS
+product) and W = A_w K into the stage's W tile a chunk ahead of the state warpgroups, in two halves
+of 64 columns. A_g has one buffer: the producer loads chunk c + 1's once chunk c's W products are
+done, a whole producer step before it needs it. Where the two sequential passes are bound by memory
+traffic, W's 16 KB a chunk less here, and ``prepare_wu`` writing no W, pay.
 """
 
 import functools
@@ -60,19 +59,20 @@ NO_TOKEN = -1.0e30  # the exponent row of M^T's columns past the chunk's end: 2^
 # the producer: M^T's exponents a_i = log2(e) gamma_i + log2(scale r_q,i) (NO_TOKEN past the end)
 # and b_j = log2(e) gamma_j - log2(r_k,j); -D = -scale e^gamma r_q and E = e^(gamma_C - gamma) r_k,
 # both zero past the end; e^gamma_C.
-F_GAMMA, F_KINV, F_QINV, F_PCOL, F_PROW, F_NEG_D, F_E, F_DECAY = range(8)
-NUM_FACTORS = 8
+# F_WCOL: e^gamma r_k, A_w's column factors on A_g (``form_w``).
+F_GAMMA, F_KINV, F_QINV, F_PCOL, F_PROW, F_NEG_D, F_E, F_DECAY, F_WCOL = range(9)
+NUM_FACTORS = 9
 # Named barrier of state warpgroup w before its shared tiles are rewritten (after the previous
 # chunk's TMA stores have read them): WG_BARRIER + w.
 WG_BARRIER = 12
-# Named barrier of the producer's warps before A_w's buffer is reloaded (``form_w``): each warp
+# Named barrier of the producer's warps before A_g's buffer is reloaded (``form_w``): each warp
 # has waited for its own part of W's products only.
 PRODUCER_BARRIER = 14
 # Registers a thread by the number of state warpgroups: (at launch, as ptxas reports it; then each
 # state thread's, each producer thread's and each loader thread's by setmaxnreg; None: no loader).
 # One state warpgroup (up to 64 columns) runs beside a producer and a loader warpgroup, two
 # (128 columns) beside a producer that also issues the loads.
-ROLE_REGS = {1: (168, 240, 128, 40), 2: (168, 208, 88, None)}
+ROLE_REGS = {1: (168, 240, 128, 40), 2: (168, 200, 104, None)}
 for _wg, (_launch, _state, _producer, _loader) in ROLE_REGS.items():
     assert 128 * (_wg * _state + _producer + (_loader or 0)) <= _launch * 128 * (_wg + 1 + (_loader is not None))
 
@@ -103,7 +103,7 @@ def build_state_grads_roles(head_k: int, head_v: int, dtype: str, has_dht: bool,
                             window: bool = False, stages: int | None = None, form_w: bool = False):
     """Arguments ``(q, k, w, do, gamma, q_norm_inv, k_norm_inv, seg_info, dht, scale, dh, dv_new,
     dh0, log_bound)``: ``state_grads``' without ``dv_local``. ``log_bound`` is read only with
-    ``window`` (else any small fp32 buffer). ``form_w``: ``w`` is A_w (module docstring)."""
+    ``window`` (else any small fp32 buffer). ``form_w``: ``w`` is A_g (module docstring)."""
     block_v = block_v or head_v
     if window and has_dht:
         raise ValueError("state_grads_roles: the window pass starts from zero (no dht)")
@@ -146,6 +146,7 @@ def stage_factors(fac, stage, length, scale):
             i < length, T.__exp(fac[stage, F_GAMMA, length - 1] - fac[stage, F_GAMMA, i]) * fac[stage, F_KINV, i],
             T.cast(0, ACCUM))
         fac[stage, F_DECAY, i] = T.__exp(fac[stage, F_GAMMA, length - 1])  # read at 0
+        fac[stage, F_WCOL, i] = T.__exp(fac[stage, F_GAMMA, i]) * fac[stage, F_KINV, i]
 
 
 @T.macro
@@ -175,35 +176,39 @@ def loader(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac,
 
 
 @T.macro
-def form_chunk_w(w, aw_s, aw_ready, k_s, w_s, w_acc, c, stage, first_chunk, num_chunks, head, head_k):
+def form_chunk_w(w, ag_s, ag_ready, k_s, w_s, aw, w_acc, fac, c, stage, first_chunk, num_chunks, head, head_k, dtype):
     """Chunk c's W = A_w K into ``w_s[stage]`` (``form_w``), 64 columns at a time through ``w_acc``,
-    then chunk c + 1's A_w into ``aw_s`` (read by the products just waited for; every producer warp
-    past its wait first)."""
-    T.mbarrier_wait_parity(aw_ready, c % 2)
+    with A_w = A_g diag(e^gamma r) formed in registers (``aw``, the products' left operand) from A_g
+    in ``ag_s`` and the stage's rows of gamma and the inverse norms; then chunk c + 1's A_g into
+    ``ag_s`` (read by the products just waited for; every producer warp past its wait first)."""
+    T.mbarrier_wait_parity(ag_ready, c % 2)
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        aw[i, j] = T.cast(T.cast(ag_s[i, j], ACCUM) * fac[stage, F_WCOL, j], dtype)
     for half in T.unroll(head_k // WG_COLS):
-        T.wgmma_gemm(aw_s, k_s[stage, :, half * WG_COLS:(half + 1) * WG_COLS], w_acc, clear_accum=True)
+        T.wgmma_gemm(aw, k_s[stage, :, half * WG_COLS:(half + 1) * WG_COLS], w_acc, clear_accum=True)
         T.wait_wgmma(0)
         T.copy(w_acc, w_s[stage, :, half * WG_COLS:(half + 1) * WG_COLS])
     if c + 1 < num_chunks:
         T.sync_threads(PRODUCER_BARRIER, 128)
-        T.tma_copy(w[first_chunk + num_chunks - 2 - c, head, :, :], aw_s, barrier=aw_ready)
-        T.barrier_arrive(aw_ready)
+        T.tma_copy(w[first_chunk + num_chunks - 2 - c, head, :, :], ag_s, barrier=ag_ready)
+        T.barrier_arrive(ag_ready)
 
 
 @T.macro
 def producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full, empty, scale,
              seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v, stages, loads, form_w=False,
-             aw_s=None, aw_ready=None, head_k=128):
+             ag_s=None, ag_ready=None, head_k=128, dtype="bfloat16"):
     """Forms each chunk's factors and M^T (and with ``form_w`` its W, ``form_chunk_w``). With
     ``loads`` (no loader warpgroup) it also loads chunk c + stages - 1 once chunk c's M^T is
     handed over (its stage's last reader being chunk c - 1), so a load has a whole chain step and
     more to land."""
     mt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then M^T
     w_acc = T.alloc_fragment((CHUNK, WG_COLS), ACCUM) if form_w else None  # W, 64 columns at a time
-    if form_w:  # the first chunk's A_w (the sequence's last)
+    aw = T.alloc_fragment((CHUNK, CHUNK), dtype) if form_w else None  # A_w, W's left operand
+    if form_w:  # the first chunk's A_g (the sequence's last)
         if num_chunks > 0:
-            T.tma_copy(w[first_chunk + num_chunks - 1, head, :, :], aw_s, barrier=aw_ready)
-            T.barrier_arrive(aw_ready)
+            T.tma_copy(w[first_chunk + num_chunks - 1, head, :, :], ag_s, barrier=ag_ready)
+            T.barrier_arrive(ag_ready)
     if loads:
         for n in T.serial(stages - 1):  # the first chunks' loads (chunk n: the sequence's (n+1)-th last)
             if n < num_chunks:
@@ -223,7 +228,8 @@ def producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fa
             T.mbarrier_wait_parity(empty[(c - MT_BUFFERS) % stages], ((c - MT_BUFFERS) // stages) % 2)
         chunk_mt(mt, mt_s, fac, c % stages, c % MT_BUFFERS)
         if form_w:
-            form_chunk_w(w, aw_s, aw_ready, k_s, w_s, w_acc, c, c % stages, first_chunk, num_chunks, head, head_k)
+            form_chunk_w(w, ag_s, ag_ready, k_s, w_s, aw, w_acc, fac, c, c % stages, first_chunk, num_chunks, head, head_k,
+                         dtype)
         T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
         T.barrier_arrive(full[c % stages])
         if loads and c + stages - 1 < num_chunks:
@@ -312,7 +318,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
     def state_grads_roles(
         q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
         k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        w: T.Tensor(w_shape, dtype),  # W, or with form_w A_w
+        w: T.Tensor(w_shape, dtype),  # W, or with form_w A_g [chunks, Hv, 64, 64]
         do: T.Tensor((tokens, num_v_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
@@ -331,7 +337,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
             w_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
             do_s = T.alloc_shared((stages, CHUNK, block_v), dtype)
             mt_s = T.alloc_shared((MT_BUFFERS, CHUNK, CHUNK), dtype)  # M^T, formed by the producer
-            aw_s = T.alloc_shared((CHUNK, CHUNK), dtype) if form_w else None  # A_w (form_w)
+            ag_s = T.alloc_shared((CHUNK, CHUNK), dtype) if form_w else None  # A_g (form_w)
             fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)
             # Each state warpgroup's own tiles: dS' (bf16), -D dO, dV_new.
             ds_s0 = T.alloc_shared((head_k, cols), dtype)
@@ -344,7 +350,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
             loaded = T.alloc_barrier([128] * stages)
             full = T.alloc_barrier([128] * stages)
             empty = T.alloc_barrier([num_wg * 128] * stages)
-            aw_ready = T.alloc_barrier(128) if form_w else None
+            ag_ready = T.alloc_barrier(128) if form_w else None
             bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM) if window else None
             lead_sum = T.alloc_local((1,), ACCUM) if window else None
             lead = T.alloc_local((1,), "int32") if window else None
@@ -373,7 +379,7 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
                     T.set_max_nreg(producer_regs, 0)
                     producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full,
                              empty, scale, seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v,
-                             stages, True, form_w, aw_s, aw_ready, head_k)
+                             stages, True, form_w, ag_s, ag_ready, head_k, dtype)
                 elif tx >= 128:
                     T.set_max_nreg(state_regs, 1)
                     state_warpgroup(1, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_s, fac, mt_s, ds_s1,

@@ -17,7 +17,7 @@ from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS,
-                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_bound, with_factor_w, with_inverse)
+                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_bound, with_inverse, without_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -32,11 +32,11 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
 # The forward's outputs alone (inference) and with A_r kept for a backward (training).
 # The backward's with CP also bound the transitions (backward.truncate_opted); without CP at all of
-# V a CTA they write A_w instead of W (backward.state_grads_form_w).
+# V a CTA they write no W (backward.state_grads_form_w).
 PREPARE_OUTPUTS = (FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, with_inverse(FORWARD_OUTPUTS), with_inverse(FORWARD_CP_OUTPUTS),
                    BACKWARD_OUTPUTS, BACKWARD_FROM_INVERSE_OUTPUTS, SAVED_STATE_OUTPUTS, with_bound(BACKWARD_OUTPUTS),
-                   with_bound(BACKWARD_FROM_INVERSE_OUTPUTS), with_factor_w(BACKWARD_OUTPUTS),
-                   with_factor_w(BACKWARD_FROM_INVERSE_OUTPUTS))
+                   with_bound(BACKWARD_FROM_INVERSE_OUTPUTS), without_w(BACKWARD_OUTPUTS),
+                   without_w(BACKWARD_FROM_INVERSE_OUTPUTS))
 
 
 def kernel_builders(head_dim: int, dtype: str):
@@ -48,7 +48,7 @@ def kernel_builders(head_dim: int, dtype: str):
     d = head_dim
     gate_dtypes = sorted({"float32", dtype})
     builders = [(f"kkt_solve[{dtype},{gd}]", lambda gd=gd: build_kkt_solve(d, dtype, gd)) for gd in gate_dtypes]
-    # Outputs (write_inverse, write_u, write_au, write_w, write_bound, read_inverse, write_aw): prepare_wu's *_OUTPUTS.
+    # Outputs (write_inverse, write_u, write_au, write_w, write_bound, read_inverse): prepare_wu's *_OUTPUTS.
     builders += [(f"prepare_wu[{dtype},{gd},outputs={outs}]", lambda gd=gd, outs=outs: build_prepare_wu(d, d, dtype, gd, *outs))
                  for gd, outs in itertools.product(gate_dtypes, PREPARE_OUTPUTS)]
     # skip_first_m: the forward's without an initial state. truncate and form_w: the default
@@ -129,7 +129,7 @@ def backward_kernel_builders(head_dim: int, dtype: str):
                  for dht, bv in itertools.product((False, True), blocks)]
     builders.append((f"state_grads_roles[{dtype},dht=False,bv={cp_block},window=True]",
                      lambda: build_state_grads_roles(d, d, dtype, False, cp_block, window=True)))
-    # W formed from A_w by the producer where all of V is a CTA's and CP is off (backward.state_grads_form_w).
+    # W formed from K and A_g by the producer where all of V is a CTA's and CP is off (backward.state_grads_form_w).
     if d == 128:
         builders += [(f"state_grads_roles[{dtype},dht={dht},bv={d},form_w=True]",
                       lambda dht=dht: build_state_grads_roles(d, d, dtype, dht, d, form_w=True)) for dht in (False, True)]
