@@ -36,7 +36,7 @@ from .launch import Launcher, jit
 from .tiles import blocked_unit_lower_inverse
 
 CHUNK = 64
-L_STRIDE = 68  # floats a row of L
+L_STRIDE = 72  # floats a row of L
 XH_STRIDE = 72  # halves a row of the fp16 inverse
 
 INVERSE64_PRELUDE = r"""
