@@ -36,7 +36,10 @@ from .launch import Launcher, jit
 from .tiles import blocked_unit_lower_inverse
 
 CHUNK = 64
-L_STRIDE = 72  # floats a row of L
+# Floats a row of L: the fragment-layout float2 accesses (a lane's row g, columns 2q, 2q + 1; a
+# half-warp's g in 0..3) then fall on banks 8g + 2q, all distinct (at 68: 4g + 2q, two-way; s58
+# measured prepare_wu 7-11 % faster at 72); level 0's float4 row loads are two-way instead.
+L_STRIDE = 72
 XH_STRIDE = 72  # halves a row of the fp16 inverse
 
 INVERSE64_PRELUDE = r"""
