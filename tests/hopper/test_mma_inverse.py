@@ -64,3 +64,38 @@ def test_mma_inverse_matches_fp64(decay):
             assert torch.equal(x, again), "two runs differ"
     assert errors[True] < 5e-4, errors
     assert errors[True] <= 1.5 * errors[False] + 1e-6, errors
+
+
+def _wavefronts(byte_addresses: list[int], width: int) -> int:
+    """Shared-memory wavefronts of one warp's access of ``width`` bytes a lane: the warp is served
+    in groups of 128 bytes' worth of lanes (32 lanes of 4 bytes, 16 of 8, 8 of 16), and a group
+    takes as many wavefronts as the most distinct 4-byte words any one of its 32 banks holds."""
+    per_group = 128 // max(width, 4)
+    total = 0
+    for first in range(0, 32, per_group):
+        words_by_bank: dict[int, set[int]] = {}
+        for address in byte_addresses[first:first + per_group]:
+            for word in range(address // 4, (address + width + 3) // 4):
+                words_by_bank.setdefault(word % 32, set()).add(word)
+        total += max(len(words) for words in words_by_bank.values())
+    return total
+
+
+def test_inverse_tiles_are_free_of_bank_conflicts_in_the_fragment_layout():
+    """L's fp32 rows (``L_STRIDE``) and the fp16 scratch's (``XH_STRIDE``) are padded so that the
+    accesses of the mma fragment layout (lane l: row l // 4, columns 2 (l % 4) and + 1) take one
+    wavefront per 128 bytes: L's staging, its levels' C blocks and results (float2), the scratch's
+    operand words (4 bytes) and transposed B halves (2 bytes). At L_STRIDE = 68 the float2 accesses
+    were two-way conflicts (s58: 23 % of prepare_wu's shared wavefronts)."""
+    from flash_gdn.hopper.mma_inverse import L_STRIDE, XH_STRIDE
+
+    lanes = range(32)
+    for row0, col0 in [(0, 0), (8, 0), (16, 8), (40, 16), (56, 48)]:
+        l_float2 = [((row0 + l // 4) * L_STRIDE + col0 + 2 * (l % 4)) * 4 for l in lanes]
+        assert _wavefronts(l_float2, 8) == 2, (row0, col0)
+        xh_word = [((row0 + l // 4) * XH_STRIDE + col0 + 2 * (l % 4)) * 2 for l in lanes]
+        assert _wavefronts(xh_word, 4) == 1, (row0, col0)
+        xh_half_t = [((row0 + 2 * (l % 4)) * XH_STRIDE + col0 + l // 4) * 2 for l in lanes]
+        assert _wavefronts(xh_half_t, 2) == 1, (row0, col0)
+    # the model itself: the old stride's two-way conflict
+    assert _wavefronts([((l // 4) * 68 + 2 * (l % 4)) * 4 for l in lanes], 8) == 4
