@@ -26,6 +26,16 @@ that later levels read there). Each level writes a block of L that only its own 
 for the 16 -> 32 and 32 -> 64 blocks, after a barrier behind every warp's reads.
 Precision as ``tiles.blocked_unit_lower_inverse``: fp32 diagonal blocks, fp16 operands elsewhere
 (L, the partial inverses, and C A^-1 between the two products of a level).
+
+``flash_gdn_inverse64_scaled`` (s59) is the same computation for a caller that wants only
+X diag(s), X = (I + L)^-1, in the input dtype (the forward's A_g): L comes as its 8x8 diagonal
+blocks in fp32 (``LD_STRIDE``) and the rest in fp16 (the only precision the levels read it in), in
+the tile that also takes the partial inverses (each level writes its block over the block of L it
+has read); each level writes its block of X diag(s) straight into the output tile, in the 128-byte
+swizzle of a TMA store. No fp32 copy of X is written or read back: the same numbers (each level's
+fp32 values, times s, rounded once), about 390 fewer shared-memory wavefronts a CTA of
+``prepare_wu`` (~830 -> ~440 for the staging, the inverse and the output), and 20 KB of tiles
+instead of 35.
 """
 
 import functools
@@ -41,12 +51,18 @@ CHUNK = 64
 # measured prepare_wu 7-11 % faster at 72); level 0's float4 row loads are two-way instead.
 L_STRIDE = 72
 XH_STRIDE = 72  # halves a row of the fp16 inverse
+# Floats a row of the scaled variant's fp32 diagonal blocks (8 used): level 0's float4 row loads
+# (a quarter-warp: rows r..r+7, banks 12 r mod 32 + 0..3) are then conflict-free; the staging's
+# float2 writes are two-way (two a thread).
+LD_STRIDE = 12
 
 INVERSE64_PRELUDE = r"""
 #include <cstdint>
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 #define FG_LS %(ls)d
 #define FG_XHS %(xhs)d
+#define FG_LDS %(lds)d
 __device__ __forceinline__ uint32_t fg_pack(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -88,6 +104,79 @@ __device__ __forceinline__ float2 fg_ld2(const float* p) { return *reinterpret_c
 __device__ __forceinline__ uint32_t fg_pack2(float2 v) { return fg_pack(v.x, v.y); }
 __device__ __forceinline__ void fg_st2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 __device__ __forceinline__ void fg_st2h(__half* p, float a, float b) { *reinterpret_cast<uint32_t*>(p) = fg_pack(a, b); }
+// d += A B for the 16x16 A operand at p (row-major): fp32 rows of FG_LS floats (rounded to fp16) or
+// fp16 rows of FG_XHS halves. (The operands are loaded in the product's own expression, as the levels
+// were written before these helpers: ptxas then schedules them the same.)
+__device__ __forceinline__ void fg_mma_x16(float* d, const float* p, int g, int q, uint32_t b0, uint32_t b1) {
+  fg_mma_k16(d, fg_pack2(fg_ld2(p + g * FG_LS + 2 * q)), fg_pack2(fg_ld2(p + (g + 8) * FG_LS + 2 * q)),
+             fg_pack2(fg_ld2(p + g * FG_LS + 2 * q + 8)), fg_pack2(fg_ld2(p + (g + 8) * FG_LS + 2 * q + 8)), b0, b1);
+}
+__device__ __forceinline__ void fg_mma_x16(float* d, const __half* p, int g, int q, uint32_t b0, uint32_t b1) {
+  fg_mma_k16(d, fg_word(p + g * FG_XHS + 2 * q), fg_word(p + (g + 8) * FG_XHS + 2 * q),
+             fg_word(p + g * FG_XHS + 2 * q + 8), fg_word(p + (g + 8) * FG_XHS + 2 * q + 8), b0, b1);
+}
+// The k16 B operand (16x8) of rows k0..k0 + 15 and column n + g of an fp16 tile of FG_XHS halves a row.
+__device__ __forceinline__ void fg_b16(const __half* xh, int k0, int n, int g, int q, uint32_t& b0, uint32_t& b1) {
+  b0 = fg_pack_h(xh[(k0 + 2 * q) * FG_XHS + n + g], xh[(k0 + 2 * q + 1) * FG_XHS + n + g]);
+  b1 = fg_pack_h(xh[(k0 + 2 * q + 8) * FG_XHS + n + g], xh[(k0 + 2 * q + 9) * FG_XHS + n + g]);
+}
+// d += (the 16x16 block of L at c) (the B operand of fg_b16 at k0, n), in one expression.
+__device__ __forceinline__ void fg_mma_c16(float* d, const float* c, const __half* xh, int k0, int n, int g, int q) {
+  fg_mma_k16(d, fg_pack2(fg_ld2(c + g * FG_LS + 2 * q)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q)),
+             fg_pack2(fg_ld2(c + g * FG_LS + 2 * q + 8)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q + 8)),
+             fg_pack_h(xh[(k0 + 2 * q) * FG_XHS + n + g], xh[(k0 + 2 * q + 1) * FG_XHS + n + g]),
+             fg_pack_h(xh[(k0 + 2 * q + 8) * FG_XHS + n + g], xh[(k0 + 2 * q + 9) * FG_XHS + n + g]));
+}
+__device__ __forceinline__ void fg_mma_c16(float* d, const __half* c, const __half* xh, int k0, int n, int g, int q) {
+  fg_mma_k16(d, fg_word(c + g * FG_XHS + 2 * q), fg_word(c + (g + 8) * FG_XHS + 2 * q),
+             fg_word(c + g * FG_XHS + 2 * q + 8), fg_word(c + (g + 8) * FG_XHS + 2 * q + 8),
+             fg_pack_h(xh[(k0 + 2 * q) * FG_XHS + n + g], xh[(k0 + 2 * q + 1) * FG_XHS + n + g]),
+             fg_pack_h(xh[(k0 + 2 * q + 8) * FG_XHS + n + g], xh[(k0 + 2 * q + 9) * FG_XHS + n + g]));
+}
+// Level 3 (32 -> 64) of warp w (columns 8w..8w+7 of rows 32..63): y = -D^-1 (C A^-1), C from l (fp32
+// rows of FG_LS floats or fp16 rows of FG_XHS halves: rows 32..63, columns 0..31), A^-1 and D^-1 from xh;
+// C A^-1 as two m-tiles over two k-steps, then D^-1 times it, its m-tiles the k-steps. y[mi]: rows
+// 32 + 16 mi + g (0, 1) and + 8 (2, 3), columns 8w + 2q and + 1.
+__device__ __forceinline__ const float* fg_at(const float* l, int r, int c) { return l + r * FG_LS + c; }
+__device__ __forceinline__ const __half* fg_at(const __half* l, int r, int c) { return l + r * FG_XHS + c; }
+template <typename LT>
+__device__ __forceinline__ void fg_level3(const LT* l, const __half* xh, int w, int g, int q, float (&y)[2][4]) {
+  const int n3 = 8 * w;
+  float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const int k0 = 16 * kk;
+    uint32_t b0, b1;
+    fg_b16(xh, k0, n3, g, q, b0, b1);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) fg_mma_x16(d[mi], fg_at(l, 32 + 16 * mi, k0), g, q, b0, b1);
+  }
+  uint32_t tb[2][2];
+  fg_acc_as_b(d[0], g, q, tb[0][0], tb[0][1]);
+  fg_acc_as_b(d[1], g, q, tb[1][0], tb[1][1]);
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+    float e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) fg_mma_x16(e, xh + (32 + 16 * mi) * FG_XHS + 32 + 16 * kk, g, q, tb[kk][0], tb[kk][1]);
+    y[mi][0] = -e[0]; y[mi][1] = -e[1]; y[mi][2] = -e[2]; y[mi][3] = -e[3];
+  }
+}
+// Level 0's elimination: xr = row i of the inverse of the unit lower 8x8 block whose row i (this lane's;
+// lanes 8 apart within a width-8 group hold its other rows) is lr, pivots by width-8 shuffles.
+__device__ __forceinline__ void fg_diag8(const float* lr, int i, float* xr) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) xr[j] = (j == i) ? 1.f : 0.f;
+#pragma unroll
+  for (int s = 0; s < 7; ++s) {
+    float piv[8];
+#pragma unroll
+    for (int j = 0; j <= s; ++j) piv[j] = __shfl_sync(0xffffffffu, xr[j], s, 8);
+    const float f = (i > s) ? lr[s] : 0.f;
+#pragma unroll
+    for (int j = 0; j <= s; ++j) xr[j] -= f * piv[j];
+  }
+}
 
 // lx = (I + L)^-1 in place, for L strictly lower in lx (fp32 [64][FG_LS]; zero on and above the
 // diagonal), by the warpgroup whose thread index is t (0..127); xh: fp16 scratch [64][FG_XHS] (the
@@ -106,17 +195,7 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar, int64_
     const float4 l0 = *reinterpret_cast<const float4*>(lx + r * FG_LS + b);
     const float4 l1 = *reinterpret_cast<const float4*>(lx + r * FG_LS + b + 4);
     lr[0] = l0.x; lr[1] = l0.y; lr[2] = l0.z; lr[3] = l0.w; lr[4] = l1.x; lr[5] = l1.y; lr[6] = l1.z; lr[7] = l1.w;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) xr[j] = (j == i) ? 1.f : 0.f;
-#pragma unroll
-    for (int s = 0; s < 7; ++s) {
-      float piv[8];
-#pragma unroll
-      for (int j = 0; j <= s; ++j) piv[j] = __shfl_sync(0xffffffffu, xr[j], s, 8);
-      const float f = (i > s) ? lr[s] : 0.f;
-#pragma unroll
-      for (int j = 0; j <= s; ++j) xr[j] -= f * piv[j];
-    }
+    fg_diag8(lr, i, xr);
     if (lane < 16) {
       *reinterpret_cast<float4*>(lx + r * FG_LS + b) = make_float4(xr[0], xr[1], xr[2], xr[3]);
       *reinterpret_cast<float4*>(lx + r * FG_LS + b + 4) = make_float4(xr[4], xr[5], xr[6], xr[7]);
@@ -156,12 +235,10 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar, int64_
   {
     const float* c = lx + (base2 + 16) * FG_LS + base2;
     float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
-    fg_mma_k16(d, fg_pack2(fg_ld2(c + g * FG_LS + 2 * q)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q)),
-               fg_pack2(fg_ld2(c + g * FG_LS + 2 * q + 8)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q + 8)),
-               fg_pack_h(xh[(base2 + 2 * q) * FG_XHS + n2 + g], xh[(base2 + 2 * q + 1) * FG_XHS + n2 + g]),
-               fg_pack_h(xh[(base2 + 2 * q + 8) * FG_XHS + n2 + g], xh[(base2 + 2 * q + 9) * FG_XHS + n2 + g]));
+    fg_mma_c16(d, c, xh, base2, n2, g, q);
     uint32_t b0, b1;
     fg_acc_as_b(d, g, q, b0, b1);
+    // (written out: through fg_mma_x16, ptxas schedules this function differently; s59 kept its SASS as measured)
     const __half* dinv = xh + (base2 + 16) * FG_XHS + base2 + 16;
     fg_mma_k16(e, fg_word(dinv + g * FG_XHS + 2 * q), fg_word(dinv + (g + 8) * FG_XHS + 2 * q),
                fg_word(dinv + g * FG_XHS + 2 * q + 8), fg_word(dinv + (g + 8) * FG_XHS + 2 * q + 8), b0, b1);
@@ -177,37 +254,7 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar, int64_
   // read C (a barrier between the two products).
   const int n3 = 8 * w;
   float y3[2][4];
-  {
-    float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const int k0 = 16 * kk;
-      const uint32_t b0 = fg_pack_h(xh[(k0 + 2 * q) * FG_XHS + n3 + g], xh[(k0 + 2 * q + 1) * FG_XHS + n3 + g]);
-      const uint32_t b1 = fg_pack_h(xh[(k0 + 2 * q + 8) * FG_XHS + n3 + g], xh[(k0 + 2 * q + 9) * FG_XHS + n3 + g]);
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        const float* c = lx + (32 + 16 * mi) * FG_LS + k0;
-        fg_mma_k16(d[mi], fg_pack2(fg_ld2(c + g * FG_LS + 2 * q)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q)),
-                   fg_pack2(fg_ld2(c + g * FG_LS + 2 * q + 8)), fg_pack2(fg_ld2(c + (g + 8) * FG_LS + 2 * q + 8)),
-                   b0, b1);
-      }
-    }
-    uint32_t tb[2][2];
-    fg_acc_as_b(d[0], g, q, tb[0][0], tb[0][1]);
-    fg_acc_as_b(d[1], g, q, tb[1][0], tb[1][1]);
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-      float e[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const __half* dinv = xh + (32 + 16 * mi) * FG_XHS + 32 + 16 * kk;
-        fg_mma_k16(e, fg_word(dinv + g * FG_XHS + 2 * q), fg_word(dinv + (g + 8) * FG_XHS + 2 * q),
-                   fg_word(dinv + g * FG_XHS + 2 * q + 8), fg_word(dinv + (g + 8) * FG_XHS + 2 * q + 8), tb[kk][0],
-                   tb[kk][1]);
-      }
-      y3[mi][0] = -e[0]; y3[mi][1] = -e[1]; y3[mi][2] = -e[2]; y3[mi][3] = -e[3];
-    }
-  }
+  fg_level3(lx, xh, w, g, q, y3);
   fg_bar_sync(bar);  // every warp has read L's blocks of levels 2 and 3
   if (stamps != nullptr && t == 0) stamps[4] = clock64();
   {
@@ -224,7 +271,117 @@ __device__ void flash_gdn_inverse64(float* lx, void* xh_, int t, int bar, int64_
   fg_bar_sync(bar);
   if (stamps != nullptr && t == 0) stamps[5] = clock64();
 }
-""" % dict(ls=L_STRIDE, xhs=XH_STRIDE)
+
+// Byte offset of element (r, c) in a [64][64] tile of 2-byte elements with 128-byte rows in the
+// 128-byte swizzle (TMA's SWIZZLE_128B, TileLang's full-bank layout): 16-byte chunk c / 8 of row r at
+// chunk (c / 8) ^ (r mod 8).
+__device__ __forceinline__ int fg_swz(int r, int c) { return r * 128 + ((((c >> 3) ^ r) & 7) << 4) + ((c & 7) << 1); }
+template <bool BF16>
+__device__ __forceinline__ uint32_t fg_pack_out(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    return fg_pack(lo, hi);
+  }
+}
+
+// out = (I + L)^-1 diag(s) for L strictly lower, by the warpgroup whose thread index is t: ld, fp32
+// [64][FG_LDS], row r holds L[r][b..b+7], b = r & ~7 (the 8x8 diagonal blocks); lh, fp16 [64][FG_XHS],
+// all of L (zero on and above the diagonal; the diagonal blocks are not read), which becomes the
+// partial inverses in place (each level writes its block over the block of L it has read, after
+// every warp that reads that block has); out, [64][64] bf16 (BF16) or fp16 in the 128-byte swizzle
+// (``fg_swz``), written whole (zeros above the diagonal blocks); s: fp32 [64], the column factors.
+// Ends with the warpgroup's named barrier ``bar``.
+template <bool BF16>
+__device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out_, const float* s, int t, int bar) {
+  __half* lh = static_cast<__half*>(lh_);
+  char* out = static_cast<char*>(out_);
+  const int w = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+  // 0. The 8x8 diagonal blocks as in flash_gdn_inverse64; lanes 16..31 write the output's zeros above
+  // them instead (lh has L's zeros there already).
+  {
+    const int r = 16 * w + (lane & 15), b = r & ~7, i = r & 7;
+    float xr[8], lr[8];
+    const float4 l0 = *reinterpret_cast<const float4*>(ld + r * FG_LDS);
+    const float4 l1 = *reinterpret_cast<const float4*>(ld + r * FG_LDS + 4);
+    lr[0] = l0.x; lr[1] = l0.y; lr[2] = l0.z; lr[3] = l0.w; lr[4] = l1.x; lr[5] = l1.y; lr[6] = l1.z; lr[7] = l1.w;
+    fg_diag8(lr, i, xr);
+    if (lane < 16) {
+      *reinterpret_cast<uint4*>(lh + r * FG_XHS + b) =
+          make_uint4(fg_pack(xr[0], xr[1]), fg_pack(xr[2], xr[3]), fg_pack(xr[4], xr[5]), fg_pack(xr[6], xr[7]));
+      const float4 s0 = *reinterpret_cast<const float4*>(s + b), s1 = *reinterpret_cast<const float4*>(s + b + 4);
+      *reinterpret_cast<uint4*>(out + fg_swz(r, b)) =
+          make_uint4(fg_pack_out<BF16>(xr[0] * s0.x, xr[1] * s0.y), fg_pack_out<BF16>(xr[2] * s0.z, xr[3] * s0.w),
+                     fg_pack_out<BF16>(xr[4] * s1.x, xr[5] * s1.y), fg_pack_out<BF16>(xr[6] * s1.z, xr[7] * s1.w));
+    } else {
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      if ((r & 15) < 8) *reinterpret_cast<uint4*>(out + fg_swz(r, b + 8)) = zero;  // the rest of its 16-row band
+      if ((r & 31) < 16) {  // the rest of its 32-row band
+        *reinterpret_cast<uint4*>(out + fg_swz(r, (r & ~31) + 16)) = zero;
+        *reinterpret_cast<uint4*>(out + fg_swz(r, (r & ~31) + 24)) = zero;
+      }
+      if (r < 32) {
+#pragma unroll
+        for (int c = 32; c < 64; c += 8) *reinterpret_cast<uint4*>(out + fg_swz(r, c)) = zero;
+      }
+    }
+  }
+  __syncwarp();  // level 1 reads only its own warp's band
+  // 1. 8 -> 16 (as flash_gdn_inverse64; each lane reads exactly the elements of C it writes Y to).
+  {
+    const int base = 16 * w, row = base + 8 + g, col = base + 2 * q;
+    float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+    __half* c = lh + row * FG_XHS + col;
+    fg_mma_k8(d, fg_word(c), 0u,
+              fg_pack_h(lh[(base + 2 * q) * FG_XHS + base + g], lh[(base + 2 * q + 1) * FG_XHS + base + g]));
+    uint32_t b0, b1;
+    fg_acc_as_b(d, g, q, b0, b1);
+    fg_mma_k8(e, fg_word(lh + row * FG_XHS + base + 8 + 2 * q), 0u, b0);
+    *reinterpret_cast<uint32_t*>(c) = fg_pack(-e[0], -e[1]);
+    const float2 sc = *reinterpret_cast<const float2*>(s + col);
+    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) = fg_pack_out<BF16>(-e[0] * sc.x, -e[1] * sc.y);
+  }
+  fg_bar_sync(bar);
+  // 2. 16 -> 32 (as flash_gdn_inverse64). Both warps of a pair read all of C, so Y goes over it only
+  // after a barrier.
+  float y2[4];
+  const int base2 = 32 * (w >> 1), n2 = base2 + 8 * (w & 1);
+  {
+    const __half* c = lh + (base2 + 16) * FG_XHS + base2;
+    float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+    fg_mma_c16(d, c, lh, base2, n2, g, q);
+    uint32_t b0, b1;
+    fg_acc_as_b(d, g, q, b0, b1);
+    fg_mma_x16(e, lh + (base2 + 16) * FG_XHS + base2 + 16, g, q, b0, b1);
+    y2[0] = -e[0]; y2[1] = -e[1]; y2[2] = -e[2]; y2[3] = -e[3];
+  }
+  fg_bar_sync(bar);  // every warp has read its pair's C
+  {
+    const int row = base2 + 16 + g, col = n2 + 2 * q;
+    fg_st2h(lh + row * FG_XHS + col, y2[0], y2[1]);
+    fg_st2h(lh + (row + 8) * FG_XHS + col, y2[2], y2[3]);
+    const float2 sc = *reinterpret_cast<const float2*>(s + col);
+    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) = fg_pack_out<BF16>(y2[0] * sc.x, y2[1] * sc.y);
+    *reinterpret_cast<uint32_t*>(out + fg_swz(row + 8, col)) = fg_pack_out<BF16>(y2[2] * sc.x, y2[3] * sc.y);
+  }
+  fg_bar_sync(bar);
+  // 3. 32 -> 64 (as flash_gdn_inverse64); no later level reads its block, so it goes to the output only.
+  {
+    float y3[2][4];
+    fg_level3(lh, lh, w, g, q, y3);
+    const int col3 = 8 * w + 2 * q;
+    const float2 sc = *reinterpret_cast<const float2*>(s + col3);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const int row3 = 32 + 16 * mi + g;
+      *reinterpret_cast<uint32_t*>(out + fg_swz(row3, col3)) = fg_pack_out<BF16>(y3[mi][0] * sc.x, y3[mi][1] * sc.y);
+      *reinterpret_cast<uint32_t*>(out + fg_swz(row3 + 8, col3)) = fg_pack_out<BF16>(y3[mi][2] * sc.x, y3[mi][3] * sc.y);
+    }
+  }
+  fg_bar_sync(bar);
+}
+""" % dict(ls=L_STRIDE, xhs=XH_STRIDE, lds=LD_STRIDE)
 
 
 @T.macro
@@ -251,6 +408,36 @@ def mma_unit_lower_inverse(strict, lx_s, xh_s, inv):
     stage_lower(strict, lx_s)
     T.sync_threads()
     invert_staged(lx_s, xh_s, inv, T.get_thread_binding(), 1)
+
+
+@T.macro
+def stage_lower_split(strict, ld_s, lh_s):
+    """L (a 64x64 fp32 fragment, zero on and above the diagonal) for ``flash_gdn_inverse64_scaled``:
+    all of it in fp16 into ``lh_s``, its 8x8 diagonal blocks in fp32 into ``ld_s`` (row r: columns
+    r & ~7 onwards, from column 0)."""
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        lh_s[i, j] = T.cast(strict[i, j], "float16")
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        if i // 8 == j // 8:
+            ld_s[i, j % 8] = strict[i, j]
+
+
+def scaled_inverse_name(out_dtype: str) -> str:
+    """The device function ``mma_scaled_lower_inverse`` calls for an output tile of ``out_dtype``."""
+    assert out_dtype in ("bfloat16", "float16"), out_dtype
+    return f"flash_gdn_inverse64_scaled<{'true' if out_dtype == 'bfloat16' else 'false'}>"
+
+
+@T.macro
+def mma_scaled_lower_inverse(strict, ld_s, lh_s, out_s, scale_s, name):
+    """``out_s`` = (I + L)^-1 diag(``scale_s``) for L in the fragment ``strict``, in a CTA of one
+    warpgroup (128 threads): staged (``stage_lower_split``), a CTA barrier, inverted into ``out_s``
+    (a [64, 64] tile of 2-byte elements in TileLang's full-bank (128-byte) swizzle; named barrier 1).
+    ``name``: ``scaled_inverse_name`` of ``out_s``'s dtype."""
+    stage_lower_split(strict, ld_s, lh_s)
+    T.sync_threads()
+    T.call_extern("handle", name, ld_s.access_ptr("r"), lh_s.access_ptr("rw"), out_s.access_ptr("w"),
+                  scale_s.access_ptr("r"), T.get_thread_binding(), 1)
 
 
 @functools.lru_cache(maxsize=None)

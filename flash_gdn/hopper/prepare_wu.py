@@ -8,7 +8,8 @@ Per chunk and value head (DESIGN section 2), with A_r the gate-free inverse:
 
 so that the state stage only needs V_new = U - W S. (Where A_r is neither kept nor read, the
 forward-only variants, A_g comes from the inverse of the gated matrix instead: the same numbers,
-one pass of exponentials fewer; see ``gated`` below.) Which of them go to HBM depends on the
+one pass of exponentials fewer; see ``gated`` below. There the inverse writes A_g itself, times
+beta_j, into the tile the TMA store reads: ``scaled``.) Which of them go to HBM depends on the
 caller: the forward's state kernels and the backward's ``chunk_states`` (and the segment
 transitions of context parallelism in both) form U = A_g V themselves from V and A_g (written
 here in the input dtype, ``write_au``; 8 KB per chunk and head instead of U's 16 KB, and this
@@ -36,10 +37,12 @@ from typing import NamedTuple
 
 import tilelang.language as T
 import torch
+from tilelang.layout import make_full_bank_swizzled_layout
 
 from ..planning import ChunkPlan, capturing, plan_for
 from .launch import Launcher, jit
-from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE, mma_unit_lower_inverse
+from .mma_inverse import (INVERSE64_PRELUDE, LD_STRIDE, L_STRIDE, XH_STRIDE, mma_scaled_lower_inverse, mma_unit_lower_inverse,
+                          scaled_inverse_name)
 from .tiles import (ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, inverse_row_norms, kernel_gate_dtype,
                     pair_decay)
 
@@ -70,6 +73,14 @@ NORMALIZE_K_ONLY = 2
 # large enough that no sum of gate totals brings a window holding it below the truncation level.
 EXPANDING = 1e30
 
+
+# CTAs per SM of the variants that write neither W nor U (``annotate_min_blocks_per_sm``), the bound
+# ptxas holds the registers to. The forward's (A_g only, the scaled inverse) needs 21.5 KB of shared
+# memory and 64 registers at eight (no spill); on an H200 eight were 3 % faster than seven (s59; six
+# were 8 % faster than four, v10). Writing A_r as well (28.4 KB), seven measured 6 % slower than
+# five (s59, 90 registers at five).
+FORWARD_CTAS_PER_SM = 8
+WITH_INVERSE_CTAS_PER_SM = 5
 
 # The chunk inverse by ``mma_inverse`` (8x8 blocks by shuffles, doubling by mma.sync, in place in
 # shared memory) rather than ``tiles.blocked_unit_lower_inverse``: on an H200 this kernel is 1.6-3.4 %
@@ -118,6 +129,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     # less accurate.
     gated = not write_inverse and not read_inverse and not write_w and not write_u
     mma = mma_inverse and not read_inverse  # (reading A_r, no inverse is taken)
+    # The gated inverse straight into A_g's tile, times beta_j (``mma_inverse.flash_gdn_inverse64_scaled``):
+    # no fp32 inverse in shared memory, no pass over it (s59).
+    scaled = gated and mma and write_au
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -168,16 +182,19 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             # The inverse's tiles: mma_inverse's L (in place the inverse) and fp16 scratch, or the
             # blocked inverse's; reading A_r, only diag16 (A_r's landing tile; also A_r's staging).
             blocked = not read_inverse and not mma
-            lx_s = T.alloc_shared((CHUNK, L_STRIDE), ACCUM) if mma else None
-            xh_s = T.alloc_shared((CHUNK, XH_STRIDE), HALF) if mma else None
+            lx_s = T.alloc_shared((CHUNK, L_STRIDE), ACCUM) if mma and not scaled else None
+            xh_s = T.alloc_shared((CHUNK, XH_STRIDE), HALF) if mma else None  # (scaled: L's fp16 copy too)
+            ld_s = T.alloc_shared((CHUNK, LD_STRIDE), ACCUM) if scaled else None
             lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM) if blocked else None
             lower16 = T.alloc_shared((CHUNK, CHUNK), HALF) if blocked else None
             diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
             diag32 = T.alloc_shared((CHUNK, CHUNK), HALF) if blocked else None
             left = T.alloc_fragment((CHUNK, CHUNK), HALF) if blocked else None
             column = T.alloc_local((BLOCK,), ACCUM) if blocked else None
-            inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
+            inv = T.alloc_fragment((CHUNK, CHUNK), ACCUM) if not scaled else None
             a_u = T.alloc_shared((CHUNK, CHUNK), dtype)
+            if scaled:  # written by the device function in this swizzle, stored by TMA in it
+                T.annotate_layout({a_u: make_full_bank_swizzled_layout(a_u)})
             a_w = T.alloc_shared((CHUNK, CHUNK), dtype) if write_w else None
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             u_acc = T.alloc_fragment((CHUNK, head_v), ACCUM) if write_u else None
@@ -196,11 +213,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             ar_ready = T.alloc_barrier(threads) if read_inverse else None
             sink = T.alloc_var(HALF) if write_inverse else None
             if not write_w and not write_u:
-                # The forward's variant (A_g only) needs 34 KB of shared memory: six CTAs per SM
-                # fit if ptxas holds it to 80 registers (from 115; 8 bytes spilled). Measured on
-                # an H200: -8 % against four per SM, -4 % with five (docs/performance.md v10).
-                # Writing A_r as well, 80 registers spill 216 bytes: five per SM (96 registers).
-                T.annotate_min_blocks_per_sm(5 if write_inverse else 6)
+                # CTAs per SM (FORWARD_CTAS_PER_SM, WITH_INVERSE_CTAS_PER_SM): ptxas holds the
+                # registers to what they leave.
+                T.annotate_min_blocks_per_sm(WITH_INVERSE_CTAS_PER_SM if write_inverse else FORWARD_CTAS_PER_SM)
 
             qk_head = head // (num_v_heads // num_qk_heads)
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
@@ -282,7 +297,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             else:
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-            if mma:  # L (zero on and above the diagonal) to shared memory, inverted there in place
+            if scaled:  # A_g = (D A_r D^-1) diag(beta), into a_u
+                mma_scaled_lower_inverse(kkt, ld_s, xh_s, a_u, beta_s, scaled_inverse_name(dtype))
+            elif mma:  # L (zero on and above the diagonal) to shared memory, inverted there in place
                 mma_unit_lower_inverse(kkt, lx_s, xh_s, inv)
             elif not read_inverse:
                 blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
@@ -300,13 +317,16 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
                 T.copy(kkt, a_w)
-            if gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
+            if scaled:
+                pass  # (a_u written by the inverse)
+            elif gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     inv[i, j] = inv[i, j] * beta_s[j]
+                T.copy(inv, a_u)
             else:
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
-            T.copy(inv, a_u)
+                T.copy(inv, a_u)
             if write_au:  # whole (rows and columns past the chunk's end are zero)
                 T.copy(a_u, a_u_out[chunk_id, head, 0:CHUNK, 0:CHUNK])
 

@@ -335,9 +335,11 @@ def test_forward_prepare_inverts_the_gated_matrix(outputs):
 
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
         source = prepare_wu.build_prepare_wu(128, 128, "bfloat16", "float32", *getattr(prepare_wu, outputs)).get_kernel_source()
-    # Where the inverse starts: mma_inverse's call in the kernel body (the default), else the
+    # Where the inverse starts: the scaled mma inverse's call in the kernel body (the default since
+    # s59: it writes A_g = inv diag(beta) itself, so the kernel has no pass after it), else the
     # blocked inverse's substitution chain.
-    call = source.find("flash_gdn_inverse64((")
+    call = source.find("flash_gdn_inverse64_scaled<true>((")
+    assert call >= 0 or not prepare_wu.MMA_INVERSE
     inverse = call if call >= 0 else source.index("* column[j]")
     assert source.count("__expf(") > 0
     assert source.rindex("__expf(") < inverse, "an exponential after the inverse"

@@ -69,7 +69,8 @@ def test_mma_inverse_matches_fp64(decay):
 def _wavefronts(byte_addresses: list[int], width: int) -> int:
     """Shared-memory wavefronts of one warp's access of ``width`` bytes a lane: the warp is served
     in groups of 128 bytes' worth of lanes (32 lanes of 4 bytes, 16 of 8, 8 of 16), and a group
-    takes as many wavefronts as the most distinct 4-byte words any one of its 32 banks holds."""
+    takes as many wavefronts as the most distinct 4-byte words any one of its 32 banks holds (fewer
+    than 32 addresses: the first lanes only)."""
     per_group = 128 // max(width, 4)
     total = 0
     for first in range(0, 32, per_group):
@@ -77,7 +78,7 @@ def _wavefronts(byte_addresses: list[int], width: int) -> int:
         for address in byte_addresses[first:first + per_group]:
             for word in range(address // 4, (address + width + 3) // 4):
                 words_by_bank.setdefault(word % 32, set()).add(word)
-        total += max(len(words) for words in words_by_bank.values())
+        total += max((len(words) for words in words_by_bank.values()), default=0)
     return total
 
 
@@ -99,3 +100,35 @@ def test_inverse_tiles_are_free_of_bank_conflicts_in_the_fragment_layout():
         assert _wavefronts(xh_half_t, 2) == 1, (row0, col0)
     # the model itself: the old stride's two-way conflict
     assert _wavefronts([((l // 4) * 68 + 2 * (l % 4)) * 4 for l in lanes], 8) == 4
+
+
+def _swizzled(row: int, col: int) -> int:
+    """Byte offset of element (row, col) of a [64][64] tile of 2-byte elements in the 128-byte swizzle
+    (``fg_swz`` in ``flash_gdn_inverse64_scaled``)."""
+    return row * 128 + ((((col >> 3) ^ row) & 7) << 4) + ((col & 7) << 1)
+
+
+def test_scaled_inverse_tiles_are_free_of_bank_conflicts():
+    """The scaled variant's accesses (s59): the output tile's 4-byte fragment writes (lane l: row
+    l // 4, columns 2 (l % 4) and + 1) and level 0's 16-byte row writes take one wavefront per 128
+    bytes in the 128-byte swizzle (in plain rows of 128 bytes they would be 8-way); the fp32 diagonal
+    blocks (``LD_STRIDE``) are read by level 0 as float4 rows without conflicts and staged as float2
+    with at most two-way ones; L's fp16 staging (4-byte words, ``XH_STRIDE``) is conflict-free."""
+    from flash_gdn.hopper.mma_inverse import LD_STRIDE, XH_STRIDE
+
+    lanes = range(32)
+    for row0, col0 in [(0, 0), (8, 0), (16, 8), (40, 16), (56, 48)]:
+        out_word = [_swizzled(row0 + l // 4, col0 + 2 * (l % 4)) for l in lanes]
+        assert _wavefronts(out_word, 4) == 1, (row0, col0)
+        assert _wavefronts([(row0 + l // 4) * 128 + (col0 + 2 * (l % 4)) * 2 for l in lanes], 4) == 8
+        lh_word = [((row0 + l // 4) * XH_STRIDE + col0 + 2 * (l % 4)) * 2 for l in lanes]
+        assert _wavefronts(lh_word, 4) == 1, (row0, col0)
+    for w in range(4):  # level 0: lanes 0..15 row 16 w + l, columns r & ~7 onwards (and their mirrors)
+        rows = [16 * w + (l & 15) for l in lanes]
+        for half in (0, 1):
+            assert _wavefronts([r * LD_STRIDE * 4 + 16 * half for r in rows], 16) == 4
+        out_row = [_swizzled(r, r & ~7) for r in rows[:16]]
+        assert _wavefronts(out_row, 16) == 2  # 256 bytes
+        for h in (0, 1):  # the staging: a warp's row 16 w + 8 h + l // 4, columns 2 (l % 4), + 1
+            ld_float2 = [((16 * w + 8 * h + l // 4) * LD_STRIDE + 2 * (l % 4)) * 4 for l in lanes]
+            assert _wavefronts(ld_float2, 8) <= 4
