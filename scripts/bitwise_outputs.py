@@ -7,7 +7,8 @@ For a kernel change meant to leave results unchanged (a reordering, a new schedu
 
 The calls: 16 seeded problems (ragged varlen with pieces of 77 and 64 tokens, one long sequence at few heads, grouped
 heads, the L2 norm on and off, h0 and dht or neither); the tensors: o, the final state, and dq, dk, dv, dg, dbeta,
-dh0 of the backward. Our kernels are deterministic, so any difference is the change's (or a race).
+dh0 of the backward, and o and the final state of the inference forward (``chunk_gated_delta_rule`` without grad:
+the A_g-only ``prepare_wu`` variants, which the training forward does not run). Our kernels are deterministic, so any difference is the change's (or a race).
 """
 
 import sys
@@ -17,7 +18,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from profile_kernels import row_inputs  # noqa: E402
 
-from flash_gdn import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd  # noqa: E402
+from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd  # noqa: E402
 
 ROWS = ("16/32:1000+77+2900+64", "2/4:1x8192", "4/8:333x3", "8/32:4096x2")
 
@@ -37,6 +38,10 @@ def outputs() -> dict:
                 dht = torch.randn_like(final) if states else None
                 grads = chunk_gated_delta_rule_bwd(do, dht, saved)
                 named = {"o": o, "final_state": final, **grads._asdict()}
+                with torch.no_grad():
+                    o_inf, final_inf = chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=states,
+                                                              use_qk_l2norm_in_kernel=norm)
+                named |= {"inference o": o_inf, "inference final_state": final_inf}
                 for name, t in named.items():
                     if t is not None:
                         out[f"{spec} norm={norm} states={states} {name}"] = t.float().cpu()
