@@ -8,7 +8,8 @@ For a kernel change meant to leave results unchanged (a reordering, a new schedu
 The calls: 16 seeded problems (ragged varlen with pieces of 77 and 64 tokens, one long sequence at few heads, grouped
 heads, the L2 norm on and off, h0 and dht or neither); the tensors: o, the final state, and dq, dk, dv, dg, dbeta,
 dh0 of the backward, and o and the final state of the inference forward (``chunk_gated_delta_rule`` without grad:
-the A_g-only ``prepare_wu`` variants, which the training forward does not run). Our kernels are deterministic, so any difference is the change's (or a race).
+the A_g-only ``prepare_wu`` variants, which the training forward does not run). Our kernels are deterministic, so
+any difference is the change's (or a race).
 """
 
 import sys
