@@ -43,7 +43,7 @@ import functools
 import tilelang.language as T
 
 from .launch import Launcher, jit
-from .tiles import blocked_unit_lower_inverse
+from .tiles import HALF, blocked_unit_lower_inverse
 
 CHUNK = 64
 # Floats a row of L: the fragment-layout float2 accesses (a lane's row g, columns 2q, 2q + 1; a
@@ -416,7 +416,7 @@ def stage_lower_split(strict, ld_s, lh_s):
     all of it in fp16 into ``lh_s``, its 8x8 diagonal blocks in fp32 into ``ld_s`` (row r: columns
     r & ~7 onwards, from column 0)."""
     for i, j in T.Parallel(CHUNK, CHUNK):
-        lh_s[i, j] = T.cast(strict[i, j], "float16")
+        lh_s[i, j] = T.cast(strict[i, j], HALF)
     for i, j in T.Parallel(CHUNK, CHUNK):
         if i // 8 == j // 8:
             ld_s[i, j % 8] = strict[i, j]

@@ -317,15 +317,13 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
                 T.copy(kkt, a_w)
-            if scaled:
-                pass  # (a_u written by the inverse)
-            elif gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    inv[i, j] = inv[i, j] * beta_s[j]
-                T.copy(inv, a_u)
-            else:
-                for i, j in T.Parallel(CHUNK, CHUNK):
-                    inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
+            if not scaled:  # (the scaled inverse has written A_g into a_u itself)
+                if gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        inv[i, j] = inv[i, j] * beta_s[j]
+                else:
+                    for i, j in T.Parallel(CHUNK, CHUNK):
+                        inv[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * beta_s[j] * pair_decay(gamma_s[i], gamma_s[j])
                 T.copy(inv, a_u)
             if write_au:  # whole (rows and columns past the chunk's end are zero)
                 T.copy(a_u, a_u_out[chunk_id, head, 0:CHUNK, 0:CHUNK])
