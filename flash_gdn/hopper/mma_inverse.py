@@ -36,6 +36,10 @@ swizzle of a TMA store. No fp32 copy of X is written or read back: the same numb
 fp32 values, times s, rounded once), by count about 390 fewer shared-memory wavefronts a CTA of
 ``prepare_wu`` (~830 -> ~440 for the staging, the inverse and the output), and 20 KB of tiles
 instead of 36 (the kernel's shared memory 28.4 -> 21.5 KB); H200: that kernel 12-13 % faster.
+Its ``KEEP_R`` form (s60) serves the variants that keep A_r = (I + L)^-1 of the ungated L (the
+training forward, the backward's recompute): each level's block goes out times beta_j and the pair
+decay e^(gamma_i - gamma_j) (in the order of ``prepare_wu``'s former pass, so the same bits), and
+level 3 also writes its block into the fp16 tile, which then holds A_r for the caller to store.
 """
 
 import functools
@@ -286,15 +290,26 @@ __device__ __forceinline__ uint32_t fg_pack_out(float lo, float hi) {
   }
 }
 
+// v e^(gm[r] - gm[c]) (the exponent clamped to <= 0, as tiles.pair_decay) with KEEP_R, else v; gr = gm[r].
+template <bool KEEP_R>
+__device__ __forceinline__ float fg_decay(float v, const float* gm, float gr, int c) {
+  if constexpr (KEEP_R) return v * __expf(fminf(gr - gm[c], 0.f));
+  else return v;
+}
+
 // out = (I + L)^-1 diag(s) for L strictly lower, by the warpgroup whose thread index is t: ld, fp32
 // [64][FG_LDS], row r holds L[r][b..b+7], b = r & ~7 (the 8x8 diagonal blocks); lh, fp16 [64][FG_XHS],
 // all of L (zero on and above the diagonal; the diagonal blocks are not read), which becomes the
 // partial inverses in place (each level writes its block over the block of L it has read, after
 // every warp that reads that block has); out, [64][64] bf16 (BF16) or fp16 in the 128-byte swizzle
 // (``fg_swz``), written whole (zeros above the diagonal blocks); s: fp32 [64], the column factors.
+// KEEP_R (L ungated, the variants that keep A_r = (I + L)^-1): out[r][c] = (X[r][c] s[c]) e^(gm[r] -
+// gm[c]) instead (A_g from A_r, the pair decay after the product as prepare_wu's pass; gm: fp32 [64],
+// gamma), and level 3 writes its block into lh too, so lh ends as X in fp16 (what prepare_wu keeps).
 // Ends with the warpgroup's named barrier ``bar``.
-template <bool BF16>
-__device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out_, const float* s, int t, int bar) {
+template <bool BF16, bool KEEP_R = false>
+__device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out_, const float* s, const float* gm, int t,
+                                           int bar) {
   __half* lh = static_cast<__half*>(lh_);
   char* out = static_cast<char*>(out_);
   const int w = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
@@ -311,9 +326,12 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
       *reinterpret_cast<uint4*>(lh + r * FG_XHS + b) =
           make_uint4(fg_pack(xr[0], xr[1]), fg_pack(xr[2], xr[3]), fg_pack(xr[4], xr[5]), fg_pack(xr[6], xr[7]));
       const float4 s0 = *reinterpret_cast<const float4*>(s + b), s1 = *reinterpret_cast<const float4*>(s + b + 4);
-      *reinterpret_cast<uint4*>(out + fg_swz(r, b)) =
-          make_uint4(fg_pack_out<BF16>(xr[0] * s0.x, xr[1] * s0.y), fg_pack_out<BF16>(xr[2] * s0.z, xr[3] * s0.w),
-                     fg_pack_out<BF16>(xr[4] * s1.x, xr[5] * s1.y), fg_pack_out<BF16>(xr[6] * s1.z, xr[7] * s1.w));
+      const float gr = KEEP_R ? gm[r] : 0.f;
+      *reinterpret_cast<uint4*>(out + fg_swz(r, b)) = make_uint4(
+          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[0] * s0.x, gm, gr, b), fg_decay<KEEP_R>(xr[1] * s0.y, gm, gr, b + 1)),
+          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[2] * s0.z, gm, gr, b + 2), fg_decay<KEEP_R>(xr[3] * s0.w, gm, gr, b + 3)),
+          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[4] * s1.x, gm, gr, b + 4), fg_decay<KEEP_R>(xr[5] * s1.y, gm, gr, b + 5)),
+          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[6] * s1.z, gm, gr, b + 6), fg_decay<KEEP_R>(xr[7] * s1.w, gm, gr, b + 7)));
     } else {
       const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
       if ((r & 15) < 8) *reinterpret_cast<uint4*>(out + fg_swz(r, b + 8)) = zero;  // the rest of its 16-row band
@@ -340,7 +358,9 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
     fg_mma_k8(e, fg_word(lh + row * FG_XHS + base + 8 + 2 * q), 0u, b0);
     *reinterpret_cast<uint32_t*>(c) = fg_pack(-e[0], -e[1]);
     const float2 sc = *reinterpret_cast<const float2*>(s + col);
-    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) = fg_pack_out<BF16>(-e[0] * sc.x, -e[1] * sc.y);
+    const float gr = KEEP_R ? gm[row] : 0.f;
+    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) =
+        fg_pack_out<BF16>(fg_decay<KEEP_R>(-e[0] * sc.x, gm, gr, col), fg_decay<KEEP_R>(-e[1] * sc.y, gm, gr, col + 1));
   }
   fg_bar_sync(bar);
   // 2. 16 -> 32 (as flash_gdn_inverse64). Both warps of a pair read all of C, so Y goes over it only
@@ -362,11 +382,15 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
     fg_st2h(lh + row * FG_XHS + col, y2[0], y2[1]);
     fg_st2h(lh + (row + 8) * FG_XHS + col, y2[2], y2[3]);
     const float2 sc = *reinterpret_cast<const float2*>(s + col);
-    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) = fg_pack_out<BF16>(y2[0] * sc.x, y2[1] * sc.y);
-    *reinterpret_cast<uint32_t*>(out + fg_swz(row + 8, col)) = fg_pack_out<BF16>(y2[2] * sc.x, y2[3] * sc.y);
+    const float gr0 = KEEP_R ? gm[row] : 0.f, gr1 = KEEP_R ? gm[row + 8] : 0.f;
+    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) =
+        fg_pack_out<BF16>(fg_decay<KEEP_R>(y2[0] * sc.x, gm, gr0, col), fg_decay<KEEP_R>(y2[1] * sc.y, gm, gr0, col + 1));
+    *reinterpret_cast<uint32_t*>(out + fg_swz(row + 8, col)) =
+        fg_pack_out<BF16>(fg_decay<KEEP_R>(y2[2] * sc.x, gm, gr1, col), fg_decay<KEEP_R>(y2[3] * sc.y, gm, gr1, col + 1));
   }
   fg_bar_sync(bar);
-  // 3. 32 -> 64 (as flash_gdn_inverse64); no later level reads its block, so it goes to the output only.
+  // 3. 32 -> 64 (as flash_gdn_inverse64); no later level reads its block, so it goes to the output, and
+  // with KEEP_R into lh after every warp has read C there.
   {
     float y3[2][4];
     fg_level3(lh, lh, w, g, q, y3);
@@ -375,8 +399,20 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
       const int row3 = 32 + 16 * mi + g;
-      *reinterpret_cast<uint32_t*>(out + fg_swz(row3, col3)) = fg_pack_out<BF16>(y3[mi][0] * sc.x, y3[mi][1] * sc.y);
-      *reinterpret_cast<uint32_t*>(out + fg_swz(row3 + 8, col3)) = fg_pack_out<BF16>(y3[mi][2] * sc.x, y3[mi][3] * sc.y);
+      const float gr0 = KEEP_R ? gm[row3] : 0.f, gr1 = KEEP_R ? gm[row3 + 8] : 0.f;
+      *reinterpret_cast<uint32_t*>(out + fg_swz(row3, col3)) = fg_pack_out<BF16>(
+          fg_decay<KEEP_R>(y3[mi][0] * sc.x, gm, gr0, col3), fg_decay<KEEP_R>(y3[mi][1] * sc.y, gm, gr0, col3 + 1));
+      *reinterpret_cast<uint32_t*>(out + fg_swz(row3 + 8, col3)) = fg_pack_out<BF16>(
+          fg_decay<KEEP_R>(y3[mi][2] * sc.x, gm, gr1, col3), fg_decay<KEEP_R>(y3[mi][3] * sc.y, gm, gr1, col3 + 1));
+    }
+    if constexpr (KEEP_R) {
+      fg_bar_sync(bar);  // every warp has read C
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int row3 = 32 + 16 * mi + g;
+        fg_st2h(lh + row3 * FG_XHS + col3, y3[mi][0], y3[mi][1]);
+        fg_st2h(lh + (row3 + 8) * FG_XHS + col3, y3[mi][2], y3[mi][3]);
+      }
     }
   }
   fg_bar_sync(bar);
@@ -422,22 +458,26 @@ def stage_lower_split(strict, ld_s, lh_s):
             ld_s[i, j % 8] = strict[i, j]
 
 
-def scaled_inverse_name(out_dtype: str) -> str:
-    """The device function ``mma_scaled_lower_inverse`` calls for an output tile of ``out_dtype``."""
+def scaled_inverse_name(out_dtype: str, keep_r: bool = False) -> str:
+    """The device function ``mma_scaled_lower_inverse`` calls for an output tile of ``out_dtype``;
+    ``keep_r``: the variant that applies the pair decay and leaves (I + L)^-1 in the fp16 tile."""
     assert out_dtype in ("bfloat16", "float16"), out_dtype
-    return f"flash_gdn_inverse64_scaled<{'true' if out_dtype == 'bfloat16' else 'false'}>"
+    bf16 = "true" if out_dtype == "bfloat16" else "false"
+    return f"flash_gdn_inverse64_scaled<{bf16}, true>" if keep_r else f"flash_gdn_inverse64_scaled<{bf16}>"
 
 
 @T.macro
-def mma_scaled_lower_inverse(strict, ld_s, lh_s, out_s, scale_s, name):
+def mma_scaled_lower_inverse(strict, ld_s, lh_s, out_s, scale_s, gamma_s, name):
     """``out_s`` = (I + L)^-1 diag(``scale_s``) for L in the fragment ``strict``, in a CTA of one
     warpgroup (128 threads): staged (``stage_lower_split``), a CTA barrier, inverted into ``out_s``
     (a [64, 64] tile of 2-byte elements in TileLang's full-bank (128-byte) swizzle; named barrier 1).
-    ``name``: ``scaled_inverse_name`` of ``out_s``'s dtype."""
+    ``name``: ``scaled_inverse_name`` of ``out_s``'s dtype; with its ``keep_r``, times the pair decay
+    of ``gamma_s`` (e^(gamma_i - gamma_j)) too, and ``lh_s`` ends as (I + L)^-1 in fp16 (otherwise
+    ``gamma_s`` is not read)."""
     stage_lower_split(strict, ld_s, lh_s)
     T.sync_threads()
     T.call_extern("handle", name, ld_s.access_ptr("r"), lh_s.access_ptr("rw"), out_s.access_ptr("w"),
-                  scale_s.access_ptr("r"), T.get_thread_binding(), 1)
+                  scale_s.access_ptr("r"), gamma_s.access_ptr("r"), T.get_thread_binding(), 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -77,8 +77,9 @@ EXPANDING = 1e30
 # CTAs per SM of the variants that write neither W nor U (``annotate_min_blocks_per_sm``), the bound
 # ptxas holds the registers to. The forward's (A_g only, the scaled inverse) needs 21.5 KB of shared
 # memory and 64 registers at eight (no spill); on an H200 eight were 3 % faster than seven (s59; six
-# were 8 % faster than four, v10). Writing A_r as well (28.4 KB), seven measured 6 % slower than
-# five (s59, 90 registers at five).
+# were 8 % faster than four, v10). The variants that keep A_r through the same scaled inverse
+# (``keep_r``) fit eight too (63 registers; s60: six were 4-5 % slower). Writing A_r by the fp32
+# path (28.4 KB), seven measured 6 % slower than five (s59, 90 registers at five).
 FORWARD_CTAS_PER_SM = 8
 WITH_INVERSE_CTAS_PER_SM = 5
 
@@ -130,8 +131,13 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     gated = not write_inverse and not read_inverse and not write_w and not write_u
     mma = mma_inverse and not read_inverse  # (reading A_r, no inverse is taken)
     # The gated inverse straight into A_g's tile, times beta_j (``mma_inverse.flash_gdn_inverse64_scaled``):
-    # no fp32 inverse in shared memory, no pass over it (s59).
-    scaled = gated and mma and write_au
+    # no fp32 inverse in shared memory, no pass over it (s59). Likewise where A_r is kept and nothing
+    # else is written (``with_inverse`` of the forward's outputs: the training forward, the backward's
+    # recompute without W): the inverse of the ungated L, each level's block of A_g times the pair
+    # decay as it is written, and A_r left in fp16 in the inverse's own tile, stored from there
+    # (``keep_r``, s60).
+    keep_r = write_inverse and mma and write_au and not write_w and not write_u
+    scaled = (gated or keep_r) and mma and write_au
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -187,7 +193,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             ld_s = T.alloc_shared((CHUNK, LD_STRIDE), ACCUM) if scaled else None
             lower_diag = T.alloc_shared((CHUNK, BLOCK), ACCUM) if blocked else None
             lower16 = T.alloc_shared((CHUNK, CHUNK), HALF) if blocked else None
-            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF)
+            diag16 = T.alloc_shared((CHUNK, CHUNK), HALF) if not keep_r else None
             diag32 = T.alloc_shared((CHUNK, CHUNK), HALF) if blocked else None
             left = T.alloc_fragment((CHUNK, CHUNK), HALF) if blocked else None
             column = T.alloc_local((BLOCK,), ACCUM) if blocked else None
@@ -211,11 +217,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             k_ready = T.alloc_barrier(threads)
             v_ready = T.alloc_barrier(threads) if write_u else None
             ar_ready = T.alloc_barrier(threads) if read_inverse else None
-            sink = T.alloc_var(HALF) if write_inverse else None
+            sink = T.alloc_var(HALF) if write_inverse and not keep_r else None
             if not write_w and not write_u:
                 # CTAs per SM (FORWARD_CTAS_PER_SM, WITH_INVERSE_CTAS_PER_SM): ptxas holds the
                 # registers to what they leave.
-                T.annotate_min_blocks_per_sm(WITH_INVERSE_CTAS_PER_SM if write_inverse else FORWARD_CTAS_PER_SM)
+                T.annotate_min_blocks_per_sm(WITH_INVERSE_CTAS_PER_SM if write_inverse and not scaled else FORWARD_CTAS_PER_SM)
 
             qk_head = head // (num_v_heads // num_qk_heads)
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
@@ -297,13 +303,16 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             else:
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i > j, kkt[i, j], T.cast(0, ACCUM)) * (beta_s[i] * k_inv[i] * k_inv[j])
-            if scaled:  # A_g = (D A_r D^-1) diag(beta), into a_u
-                mma_scaled_lower_inverse(kkt, ld_s, xh_s, a_u, beta_s, scaled_inverse_name(dtype))
+            if scaled:  # A_g = (D A_r D^-1) diag(beta), into a_u (keep_r: and A_r into xh_s)
+                mma_scaled_lower_inverse(kkt, ld_s, xh_s, a_u, beta_s, gamma_s, scaled_inverse_name(dtype, keep_r))
             elif mma:  # L (zero on and above the diagonal) to shared memory, inverted there in place
                 mma_unit_lower_inverse(kkt, lx_s, xh_s, inv)
             elif not read_inverse:
                 blocked_unit_lower_inverse(kkt, lower_diag, lower16, diag16, diag32, column, left, inv)
-            if write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
+            if keep_r:  # A_r, fp16 in xh_s (padded rows: no TMA box), by 16-byte stores
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    a_r[chunk_id, head, i, j] = xh_s[i, j]
+            elif write_inverse:  # for the backward's wy_grads (fp16, the precision its products use)
                 T.copy(inv, diag16)  # (free by now: the blocked inverse's is after its first merge)
                 # Not waited for here (the A_g store below, or the wait at the end, waits for it):
                 # waiting held the CTA for the store's read of shared memory, +40 % on the
@@ -358,7 +367,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                     log_bound[head, chunk_id] = gamma_s[CHUNK - 1] + T.if_then_else(
                         expands[0] != 0, T.cast(EXPANDING, ACCUM), T.cast(0, ACCUM))
 
-            if write_inverse:
+            if write_inverse and not keep_r:
                 if not write_au:  # (with write_au, the A_g store waited for A_r's)
                     T.tma_store_wait(0)
                 if length < 0:  # never: keeps diag16 live past the wait

@@ -343,3 +343,25 @@ def test_forward_prepare_inverts_the_gated_matrix(outputs):
     inverse = call if call >= 0 else source.index("* column[j]")
     assert source.count("__expf(") > 0
     assert source.rindex("__expf(") < inverse, "an exponential after the inverse"
+
+
+@pytest.mark.parametrize("outputs", ["FORWARD_OUTPUTS", "FORWARD_CP_OUTPUTS"])
+def test_forward_keeping_a_r_inverts_in_the_scaled_tiles(outputs):
+    """The training forward's prepare_wu variants (``with_inverse`` of the forward's outputs, also
+    the backward's recompute without W) take the scaled inverse that keeps A_r (s60): it writes A_g
+    with the pair decay itself and leaves A_r in fp16 in its own tile, which goes to HBM by 16-byte
+    stores, not through a TMA store from a staging tile; the kernel has no exponential pass after it."""
+    from tilelang import tvm
+
+    from flash_gdn.hopper import prepare_wu
+
+    variant = prepare_wu.with_inverse(getattr(prepare_wu, outputs))
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = prepare_wu.build_prepare_wu(128, 128, "bfloat16", "float32", *variant).get_kernel_source()
+    body = source[source.index("prepare_wu_kernel("):]
+    call = body.find("flash_gdn_inverse64_scaled<true, true>((")
+    assert call >= 0 or not prepare_wu.MMA_INVERSE
+    if call >= 0:
+        assert "a_r_desc" not in body, "A_r through a TMA store"
+        assert "*(uint4*)(a_r + " in body, "A_r not by 16-byte stores"
+        assert "__expf(" not in body[call:], "an exponential after the inverse"
