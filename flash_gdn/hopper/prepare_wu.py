@@ -9,7 +9,9 @@ Per chunk and value head (DESIGN section 2), with A_r the gate-free inverse:
 so that the state stage only needs V_new = U - W S. (Where A_r is neither kept nor read, the
 forward-only variants, A_g comes from the inverse of the gated matrix instead: the same numbers,
 one pass of exponentials fewer; see ``gated`` below. There the inverse writes A_g itself, times
-beta_j, into the tile the TMA store reads: ``scaled``.) Which of them go to HBM depends on the
+beta_j, into the tile the TMA store reads: ``scaled``; where A_r is kept and nothing but A_g
+besides, the inverse of the ungated matrix writes A_g with the pair decay the same way and leaves
+A_r in its fp16 tile: ``keep_r``.) Which of them go to HBM depends on the
 caller: the forward's state kernels and the backward's ``chunk_states`` (and the segment
 transitions of context parallelism in both) form U = A_g V themselves from V and A_g (written
 here in the input dtype, ``write_au``; 8 KB per chunk and head instead of U's 16 KB, and this
