@@ -296,6 +296,12 @@ __device__ __forceinline__ float fg_decay(float v, const float* gm, float gr, in
   if constexpr (KEEP_R) return v * __expf(fminf(gr - gm[c], 0.f));
   else return v;
 }
+// out's 4-byte word at row r, columns c, c + 1: (a sc.x, b sc.y), times the pair decay with KEEP_R (gr = gm[r]).
+template <bool BF16, bool KEEP_R>
+__device__ __forceinline__ void fg_out2(char* out, int r, int c, float a, float b, float2 sc, const float* gm, float gr) {
+  *reinterpret_cast<uint32_t*>(out + fg_swz(r, c)) =
+      fg_pack_out<BF16>(fg_decay<KEEP_R>(a * sc.x, gm, gr, c), fg_decay<KEEP_R>(b * sc.y, gm, gr, c + 1));
+}
 
 // out = (I + L)^-1 diag(s) for L strictly lower, by the warpgroup whose thread index is t: ld, fp32
 // [64][FG_LDS], row r holds L[r][b..b+7], b = r & ~7 (the 8x8 diagonal blocks); lh, fp16 [64][FG_XHS],
@@ -359,8 +365,7 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
     *reinterpret_cast<uint32_t*>(c) = fg_pack(-e[0], -e[1]);
     const float2 sc = *reinterpret_cast<const float2*>(s + col);
     const float gr = KEEP_R ? gm[row] : 0.f;
-    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) =
-        fg_pack_out<BF16>(fg_decay<KEEP_R>(-e[0] * sc.x, gm, gr, col), fg_decay<KEEP_R>(-e[1] * sc.y, gm, gr, col + 1));
+    fg_out2<BF16, KEEP_R>(out, row, col, -e[0], -e[1], sc, gm, gr);
   }
   fg_bar_sync(bar);
   // 2. 16 -> 32 (as flash_gdn_inverse64). Both warps of a pair read all of C, so Y goes over it only
@@ -383,10 +388,8 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
     fg_st2h(lh + (row + 8) * FG_XHS + col, y2[2], y2[3]);
     const float2 sc = *reinterpret_cast<const float2*>(s + col);
     const float gr0 = KEEP_R ? gm[row] : 0.f, gr1 = KEEP_R ? gm[row + 8] : 0.f;
-    *reinterpret_cast<uint32_t*>(out + fg_swz(row, col)) =
-        fg_pack_out<BF16>(fg_decay<KEEP_R>(y2[0] * sc.x, gm, gr0, col), fg_decay<KEEP_R>(y2[1] * sc.y, gm, gr0, col + 1));
-    *reinterpret_cast<uint32_t*>(out + fg_swz(row + 8, col)) =
-        fg_pack_out<BF16>(fg_decay<KEEP_R>(y2[2] * sc.x, gm, gr1, col), fg_decay<KEEP_R>(y2[3] * sc.y, gm, gr1, col + 1));
+    fg_out2<BF16, KEEP_R>(out, row, col, y2[0], y2[1], sc, gm, gr0);
+    fg_out2<BF16, KEEP_R>(out, row + 8, col, y2[2], y2[3], sc, gm, gr1);
   }
   fg_bar_sync(bar);
   // 3. 32 -> 64 (as flash_gdn_inverse64); no later level reads its block, so it goes to the output, and
@@ -400,10 +403,8 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
     for (int mi = 0; mi < 2; ++mi) {
       const int row3 = 32 + 16 * mi + g;
       const float gr0 = KEEP_R ? gm[row3] : 0.f, gr1 = KEEP_R ? gm[row3 + 8] : 0.f;
-      *reinterpret_cast<uint32_t*>(out + fg_swz(row3, col3)) = fg_pack_out<BF16>(
-          fg_decay<KEEP_R>(y3[mi][0] * sc.x, gm, gr0, col3), fg_decay<KEEP_R>(y3[mi][1] * sc.y, gm, gr0, col3 + 1));
-      *reinterpret_cast<uint32_t*>(out + fg_swz(row3 + 8, col3)) = fg_pack_out<BF16>(
-          fg_decay<KEEP_R>(y3[mi][2] * sc.x, gm, gr1, col3), fg_decay<KEEP_R>(y3[mi][3] * sc.y, gm, gr1, col3 + 1));
+      fg_out2<BF16, KEEP_R>(out, row3, col3, y3[mi][0], y3[mi][1], sc, gm, gr0);
+      fg_out2<BF16, KEEP_R>(out, row3 + 8, col3, y3[mi][2], y3[mi][3], sc, gm, gr1);
     }
     if constexpr (KEEP_R) {
       fg_bar_sync(bar);  // every warp has read C
