@@ -10,6 +10,9 @@ heads, the L2 norm on and off, h0 and dht or neither); the tensors: o, the final
 dh0 of the backward, and o and the final state of the inference forward (``chunk_gated_delta_rule`` without grad:
 the A_g-only ``prepare_wu`` variants, which the training forward does not run). Our kernels are deterministic, so
 any difference is the change's (or a race).
+
+``--forward`` (after the mode): the forwards alone (o and the final state of both, and the training forward's kept
+A_r), no backward: for a change to a forward kernel, on a cold GPU host a minute's compiles fewer.
 """
 
 import sys
@@ -24,7 +27,7 @@ from flash_gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_
 ROWS = ("16/32:1000+77+2900+64", "2/4:1x8192", "4/8:333x3", "8/32:4096x2")
 
 
-def outputs() -> dict:
+def outputs(backward: bool = True) -> dict:
     out = {}
     for idx, spec in enumerate(ROWS):
         for norm in (False, True):
@@ -37,8 +40,11 @@ def outputs() -> dict:
                     **x, initial_state=h0, output_final_state=states, use_qk_l2norm_in_kernel=norm)
                 do = torch.randn_like(x["v"])
                 dht = torch.randn_like(final) if states else None
-                grads = chunk_gated_delta_rule_bwd(do, dht, saved)
-                named = {"o": o, "final_state": final, **grads._asdict()}
+                if backward:
+                    grads = chunk_gated_delta_rule_bwd(do, dht, saved)._asdict()
+                else:
+                    grads = {"a_r": saved.extras.get("a_r")}
+                named = {"o": o, "final_state": final, **grads}
                 with torch.no_grad():
                     o_inf, final_inf = chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=states,
                                                               use_qk_l2norm_in_kernel=norm)
@@ -50,10 +56,11 @@ def outputs() -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) != 3 or sys.argv[1] not in ("save", "cmp"):
-        sys.exit("usage: bitwise_outputs.py save|cmp FILE")
-    mode, path = sys.argv[1:]
-    out = outputs()
+    args = [a for a in sys.argv[1:] if a != "--forward"]
+    if len(args) != 2 or args[0] not in ("save", "cmp"):
+        sys.exit("usage: bitwise_outputs.py save|cmp [--forward] FILE")
+    mode, path = args
+    out = outputs(backward="--forward" not in sys.argv)
     if mode == "save":
         torch.save(out, path)
         print(f"saved {len(out)} tensors to {path}")
