@@ -40,11 +40,12 @@ def outputs(backward: bool = True) -> dict:
                     **x, initial_state=h0, output_final_state=states, use_qk_l2norm_in_kernel=norm)
                 do = torch.randn_like(x["v"])
                 dht = torch.randn_like(final) if states else None
+                # (do and dht drawn either way: the same inputs for the calls below)
                 if backward:
-                    grads = chunk_gated_delta_rule_bwd(do, dht, saved)._asdict()
+                    more = chunk_gated_delta_rule_bwd(do, dht, saved)._asdict()
                 else:
-                    grads = {"a_r": saved.extras.get("a_r")}
-                named = {"o": o, "final_state": final, **grads}
+                    more = {"a_r": saved.extras.get("a_r")}
+                named = {"o": o, "final_state": final, **more}
                 with torch.no_grad():
                     o_inf, final_inf = chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=states,
                                                               use_qk_l2norm_in_kernel=norm)
@@ -68,6 +69,8 @@ def main() -> None:
     ref = torch.load(path)
     differing = 0
     for key, t in out.items():
+        if key not in ref:
+            sys.exit(f"{key} is not in {path}: save and cmp with the same --forward setting")
         diff = (t - ref[key]).abs().max().item()
         if diff != 0 or torch.isnan(t).any():
             differing += 1
