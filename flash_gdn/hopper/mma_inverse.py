@@ -296,11 +296,15 @@ __device__ __forceinline__ float fg_decay(float v, const float* gm, float gr, in
   if constexpr (KEEP_R) return v * __expf(fminf(gr - gm[c], 0.f));
   else return v;
 }
-// out's 4-byte word at row r, columns c, c + 1: (a sc.x, b sc.y), times the pair decay with KEEP_R (gr = gm[r]).
+// An output word of row r, columns c, c + 1: (a sa, b sb), times the pair decay with KEEP_R (gr = gm[r]).
+template <bool BF16, bool KEEP_R>
+__device__ __forceinline__ uint32_t fg_out_word(float a, float b, float sa, float sb, const float* gm, float gr, int c) {
+  return fg_pack_out<BF16>(fg_decay<KEEP_R>(a * sa, gm, gr, c), fg_decay<KEEP_R>(b * sb, gm, gr, c + 1));
+}
+// That word stored at its place in out.
 template <bool BF16, bool KEEP_R>
 __device__ __forceinline__ void fg_out2(char* out, int r, int c, float a, float b, float2 sc, const float* gm, float gr) {
-  *reinterpret_cast<uint32_t*>(out + fg_swz(r, c)) =
-      fg_pack_out<BF16>(fg_decay<KEEP_R>(a * sc.x, gm, gr, c), fg_decay<KEEP_R>(b * sc.y, gm, gr, c + 1));
+  *reinterpret_cast<uint32_t*>(out + fg_swz(r, c)) = fg_out_word<BF16, KEEP_R>(a, b, sc.x, sc.y, gm, gr, c);
 }
 
 // out = (I + L)^-1 diag(s) for L strictly lower, by the warpgroup whose thread index is t: ld, fp32
@@ -333,11 +337,10 @@ __device__ void flash_gdn_inverse64_scaled(const float* ld, void* lh_, void* out
           make_uint4(fg_pack(xr[0], xr[1]), fg_pack(xr[2], xr[3]), fg_pack(xr[4], xr[5]), fg_pack(xr[6], xr[7]));
       const float4 s0 = *reinterpret_cast<const float4*>(s + b), s1 = *reinterpret_cast<const float4*>(s + b + 4);
       const float gr = KEEP_R ? gm[r] : 0.f;
-      *reinterpret_cast<uint4*>(out + fg_swz(r, b)) = make_uint4(
-          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[0] * s0.x, gm, gr, b), fg_decay<KEEP_R>(xr[1] * s0.y, gm, gr, b + 1)),
-          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[2] * s0.z, gm, gr, b + 2), fg_decay<KEEP_R>(xr[3] * s0.w, gm, gr, b + 3)),
-          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[4] * s1.x, gm, gr, b + 4), fg_decay<KEEP_R>(xr[5] * s1.y, gm, gr, b + 5)),
-          fg_pack_out<BF16>(fg_decay<KEEP_R>(xr[6] * s1.z, gm, gr, b + 6), fg_decay<KEEP_R>(xr[7] * s1.w, gm, gr, b + 7)));
+      *reinterpret_cast<uint4*>(out + fg_swz(r, b)) = make_uint4(fg_out_word<BF16, KEEP_R>(xr[0], xr[1], s0.x, s0.y, gm, gr, b),
+                                                                 fg_out_word<BF16, KEEP_R>(xr[2], xr[3], s0.z, s0.w, gm, gr, b + 2),
+                                                                 fg_out_word<BF16, KEEP_R>(xr[4], xr[5], s1.x, s1.y, gm, gr, b + 4),
+                                                                 fg_out_word<BF16, KEEP_R>(xr[6], xr[7], s1.z, s1.w, gm, gr, b + 6));
     } else {
       const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
       if ((r & 15) < 8) *reinterpret_cast<uint4*>(out + fg_swz(r, b + 8)) = zero;  // the rest of its 16-row band
