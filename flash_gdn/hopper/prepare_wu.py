@@ -176,8 +176,11 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
         a_u_out: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
         log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=threads, prelude=INVERSE64_PRELUDE if mma else None) as (
-                chunk_id, head):
+        # One CTA per (chunk, value head), a chunk's value heads next to each other in launch order:
+        # the heads of a group read the same K tile, and a sibling launched beside it finds the tile
+        # in L2 (launched chunks first, siblings were num_chunks CTAs apart: past L2 where chunks are
+        # many, 2048-4096 on the backward's 32k-token rows).
+        with T.Kernel(num_chunks * num_v_heads, threads=threads, prelude=INVERSE64_PRELUDE if mma else None) as item:
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype) if write_u else None
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
@@ -207,6 +210,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             kkt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             u_acc = T.alloc_fragment((CHUNK, head_v), ACCUM) if write_u else None
             w_acc = T.alloc_fragment((CHUNK, head_k), ACCUM) if write_w else None
+            chunk_id = T.alloc_var("int32")
+            head = T.alloc_var("int32")
             qk_head = T.alloc_var("int32")
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
@@ -225,6 +230,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 # registers to what they leave.
                 T.annotate_min_blocks_per_sm(WITH_INVERSE_CTAS_PER_SM if write_inverse and not scaled else FORWARD_CTAS_PER_SM)
 
+            # (once each, in registers: as expressions they were re-evaluated, in 64 bits, at every index)
+            chunk_id = item // num_v_heads
+            head = item % num_v_heads
             qk_head = head // (num_v_heads // num_qk_heads)
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
             start = bounds[chunk_id, 0]

@@ -70,7 +70,10 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
         dgamma_wy: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         dg: T.Tensor((tokens, num_v_heads), ACCUM),
     ):
-        with T.Kernel(num_chunks, num_v_heads, threads=threads, prelude=REDUCE_PRELUDE) as (chunk_id, head):
+        # One CTA per (chunk, value head), a chunk's value heads next to each other in launch order: a
+        # group's heads read the same K tile, found in L2 by a sibling launched beside the first
+        # (prepare_wu's grid, the same reason).
+        with T.Kernel(num_chunks * num_v_heads, threads=threads, prelude=REDUCE_PRELUDE) as item:
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             dvn_tile = T.alloc_shared((CHUNK, head_v), dtype)
@@ -93,6 +96,8 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             dar = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
             dv_acc = T.alloc_fragment((CHUNK, head_v), ACCUM)
             dw_acc = T.alloc_fragment((CHUNK, head_k), ACCUM)
+            chunk_id = T.alloc_var("int32")
+            head = T.alloc_var("int32")
             qk_head = T.alloc_var("int32")
             k_ready = T.alloc_barrier(threads)
             v_ready = T.alloc_barrier(threads)
@@ -105,6 +110,8 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             # one CTA's products overlap the other's element-wise phases and loads.
             T.annotate_min_blocks_per_sm(2)
 
+            chunk_id = item // num_v_heads  # (once each, in registers: prepare_wu)
+            head = item % num_v_heads
             qk_head = head // (num_v_heads // num_qk_heads)
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
