@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from ..env import env_get
-from ..planning import SegmentPlan, segment_capacity, wave_segment_chunks
+from ..planning import SegmentPlan, segment_capacity, wave_cost, wave_segment_chunks
 
 MIN_SEGMENT_CHUNKS = 16
 # Rows of at most this many chunks (one 2048-token sequence and its bound) at up to
@@ -48,6 +48,14 @@ LONG_SEQUENCE_CHUNKS = 128
 # WAVE_MIN_SEGMENT_CHUNKS chunks, their length chosen on the device (planning.wave_segment_chunks).
 WAVE_MAX_SEQS = 2
 WAVE_MIN_SEGMENT_CHUNKS = 32
+# More sequences than WAVE_MAX_SEQS (all as long as the longest one may be, so the cut is chosen
+# for equal lengths): CP only where the wave model's steps fall to MANY_SEQS_CUT_STEPS of the
+# uncut pass's or below, a margin for the CP pipeline's own cost (its transition and scan launches,
+# the output pass reading its start states: 3-11 % where nothing is cut). s62, H200, inference
+# forward kernel time, this rule's cut against none: 16/48 x 8192x4 (model 222 against 276 steps)
+# 730 -> 671 us; 8/24 x 4096x8 (126 against 148, 0.851) 370 -> 359; 8/24 x 8192x4 (126 against 138)
+# 357 -> 360; 16/64 x 8192x4 (no cut; the pipeline alone) 812 -> 859.
+MANY_SEQS_CUT_STEPS = 0.85
 # The forward's CP kernels put segment slots on grid y or z (the plan's unused slots last).
 MAX_SEGMENT_SLOTS = 65535
 
@@ -81,6 +89,9 @@ def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentR
         return None if seg_chunks is None else SegmentRule(seg_chunks, 0, 0)
     sms = sm_count(device)
     segments_per_seq = sms // num_v_heads / num_seqs
+    if seg_chunks is None and num_seqs > WAVE_MAX_SEQS and segments_per_seq < TWO_SEGMENTS and \
+            _many_cut_pays(max_chunks // num_seqs, num_seqs, num_v_heads, sms):
+        return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
     if num_seqs > WAVE_MAX_SEQS or segments_per_seq >= THREE_SEGMENTS:
         return None if seg_chunks is None else SegmentRule(seg_chunks, segment_target(num_v_heads, device), 0)
     below_band = segments_per_seq < TWO_SEGMENTS
@@ -117,6 +128,19 @@ def _cut_pays(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> bool:
     """Whether ``wave_segment_chunks`` cuts ``num_seqs`` sequences of ``per_seq`` chunks (cached:
     the host path runs it per call)."""
     return wave_segment_chunks([per_seq] * num_seqs, WAVE_MIN_SEGMENT_CHUNKS, num_v_heads, sms) < per_seq
+
+
+@functools.lru_cache(maxsize=256)
+def _many_cut_pays(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> bool:
+    """Whether ``num_seqs`` sequences of ``per_seq`` chunks, more than WAVE_MAX_SEQS, go through the
+    CP pipeline with the wave model's cut: where its steps are at most MANY_SEQS_CUT_STEPS of the
+    uncut pass's. (For varlen calls the lengths are not known on the host: ``per_seq`` is the
+    capacity's share, and the device planner then cuts by the lengths it reads.)"""
+    if per_seq < TWO_SEGMENTS * WAVE_MIN_SEGMENT_CHUNKS:
+        return False
+    counts = [per_seq] * num_seqs
+    cut = wave_segment_chunks(counts, WAVE_MIN_SEGMENT_CHUNKS, num_v_heads, sms)
+    return wave_cost(counts, cut, num_v_heads, sms) <= MANY_SEQS_CUT_STEPS * wave_cost(counts, per_seq, num_v_heads, sms)
 
 
 @functools.lru_cache(maxsize=None)

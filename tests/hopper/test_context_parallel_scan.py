@@ -92,7 +92,12 @@ def test_below_the_band_one_or_two_sequences_are_cut_by_the_device(monkeypatch):
     assert cp.forward_segments(2, 32, 66, dev, varlen=True) is None  # 8/32 x 2048+2048: off, as segment_chunks_for
     assert cp.forward_segments(4, 16, 516, dev, varlen=True) == cp.SegmentRule(65, 8, 0)  # 4/16 x 8192x4
     assert cp.forward_segments(1, 8, 512, dev) == cp.SegmentRule(32, 16, 0)  # 2/8 x 1x32768: above the band
-    assert cp.forward_segments(4, 48, 516, dev, varlen=True) is None  # four sequences: off
+    # More than two sequences: the device's cut only where the wave model gains a margin at equal lengths.
+    assert cp.forward_segments(4, 48, 516, dev, varlen=True) == wave  # 16/48 x 8192x4: 222 steps against 276
+    assert cp.forward_segments(4, 64, 516, dev, varlen=True) is None  # 16/64 x 8192x4: nothing to gain
+    assert cp.forward_segments(4, 24, 516, dev, varlen=True) is None  # 8/24 x 8192x4: 126 against 138, no margin
+    assert cp.forward_segments(8, 24, 520, dev, varlen=True) is None  # 8/24 x 4096x8: 126 against 148, just short
+    assert cp.forward_segments(8, 48, 520, dev, varlen=True) is None  # 16/48 x 4096x8: 64-chunk sequences, no gain
     assert cp.forward_segments(2, 48, 33, dev, varlen=True) is None  # nothing to cut
     # Without cu_seqlens the lengths are known: equal ones are cut only where it pays.
     assert cp.forward_segments(2, 48, 512, dev) == wave  # 16/48 x 2 x 16384: 64-chunk segments pay
