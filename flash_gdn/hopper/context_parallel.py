@@ -16,7 +16,8 @@ sequence is cut into chunk-aligned segments that run as independent sequences:
 Everything is planned on the device from ``cu_seqlens``; the host only uses shapes. Where
 sequences x value heads fill fewer SMs than two segments a sequence need (48 and 64 value
 heads), one or two sequences are still cut where the lengths the device reads make it pay
-(``forward_segments``: segments over several waves of the output pass).
+(``forward_segments``: segments over several waves of the output pass), and more sequences where
+the same model gains a margin at equal lengths (``MANY_SEQS_CUT_STEPS``).
 ``FLASH_GDN_CP=0`` turns it off; ``FLASH_GDN_CP_SEGMENT_CHUNKS=n`` forces segments of n chunks.
 """
 
@@ -74,7 +75,8 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
     to one wave of the output pass, or - for one or two sequences in the two-segment band
     (where ``segment_chunks_for`` turns CP on) or below it (``_cut_may_pay``) - segments of the
     length the device finds best for the lengths it reads over one or more waves, the
-    sequences whole where no cut pays. (In the band the two agree but where several waves of
+    sequences whole where no cut pays; for more sequences below the band the same, where the
+    model gains ``MANY_SEQS_CUT_STEPS`` at equal lengths (``_many_cut_pays``). (In the band the two agree but where several waves of
     shorter segments beat one of long ones: 16/48 x 1x32768 1.018 -> 0.882 ms with 64-chunk
     segments, 384 CTAs, against two segments; H200, docs/performance.md v20.)"""
     rule = _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen)
