@@ -49,8 +49,8 @@ LONG_SEQUENCE_CHUNKS = 128
 # WAVE_MIN_SEGMENT_CHUNKS chunks, their length chosen on the device (planning.wave_segment_chunks).
 WAVE_MAX_SEQS = 2
 WAVE_MIN_SEGMENT_CHUNKS = 32
-# More sequences than WAVE_MAX_SEQS (all as long as the longest one may be, so the cut is chosen
-# for equal lengths): CP only where the wave model's steps fall to MANY_SEQS_CUT_STEPS of the
+# More sequences than WAVE_MAX_SEQS (modelled as equal, each the capacity's share of chunks: the
+# host has no lengths for a varlen call): CP only where the wave model's steps fall to MANY_SEQS_CUT_STEPS of the
 # uncut pass's or below, a margin for the CP pipeline's own cost (its transition and scan launches,
 # the output pass reading its start states: 3-11 % where nothing is cut). s62, H200, inference
 # forward kernel time, this rule's cut against none: 16/48 x 8192x4 (model 222 against 276 steps)
@@ -76,9 +76,10 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
     (where ``segment_chunks_for`` turns CP on) or below it (``_cut_may_pay``) - segments of the
     length the device finds best for the lengths it reads over one or more waves, the
     sequences whole where no cut pays; for more sequences below the band the same, where the
-    model gains ``MANY_SEQS_CUT_STEPS`` at equal lengths (``_many_cut_pays``). (In the band the two agree but where several waves of
-    shorter segments beat one of long ones: 16/48 x 1x32768 1.018 -> 0.882 ms with 64-chunk
-    segments, 384 CTAs, against two segments; H200, docs/performance.md v20.)"""
+    model gains ``MANY_SEQS_CUT_STEPS`` at equal lengths (``_many_cut_pays``). (In the band the
+    two agree but where several waves of shorter segments beat one of long ones: 16/48 x 1x32768
+    1.018 -> 0.882 ms with 64-chunk segments, 384 CTAs, against two segments; H200,
+    docs/performance.md v20.)"""
     rule = _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen)
     if rule is not None and segment_capacity(max_chunks, num_seqs, rule.seg_chunks) > MAX_SEGMENT_SLOTS:
         return None  # (only where the environment forces short segments over very many chunks)
@@ -142,7 +143,8 @@ def _many_cut_pays(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> b
         return False
     counts = [per_seq] * num_seqs
     cut = wave_segment_chunks(counts, WAVE_MIN_SEGMENT_CHUNKS, num_v_heads, sms)
-    return wave_cost(counts, cut, num_v_heads, sms) <= MANY_SEQS_CUT_STEPS * wave_cost(counts, per_seq, num_v_heads, sms)
+    whole = wave_cost(counts, per_seq, num_v_heads, sms)
+    return wave_cost(counts, cut, num_v_heads, sms) <= MANY_SEQS_CUT_STEPS * whole
 
 
 @functools.lru_cache(maxsize=None)
