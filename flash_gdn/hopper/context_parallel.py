@@ -76,7 +76,7 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
     (where ``segment_chunks_for`` turns CP on) or below it (``_cut_may_pay``) - segments of the
     length the device finds best for the lengths it reads over one or more waves, the
     sequences whole where no cut pays; for more sequences below the band the same, where the
-    model gains ``MANY_SEQS_CUT_STEPS`` at equal lengths (``_many_cut_pays``). (In the band the
+    model gains ``MANY_SEQS_CUT_STEPS`` at equal lengths (``_cut_may_pay``). (In the band the
     two agree but where several waves of shorter segments beat one of long ones: 16/48 x 1x32768
     1.018 -> 0.882 ms with 64-chunk segments, 384 CTAs, against two segments; H200,
     docs/performance.md v20.)"""
@@ -92,21 +92,19 @@ def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentR
         return None if seg_chunks is None else SegmentRule(seg_chunks, 0, 0)
     sms = sm_count(device)
     segments_per_seq = sms // num_v_heads / num_seqs
-    if seg_chunks is None and num_seqs > WAVE_MAX_SEQS and segments_per_seq < TWO_SEGMENTS and \
-            _many_cut_pays(max_chunks // num_seqs, num_seqs, num_v_heads, sms):
+    below_band = segments_per_seq < TWO_SEGMENTS
+    if seg_chunks is None and below_band and _cut_may_pay(num_seqs, num_v_heads, max_chunks, sms, varlen):
         return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
     if num_seqs > WAVE_MAX_SEQS or segments_per_seq >= THREE_SEGMENTS:
         return None if seg_chunks is None else SegmentRule(seg_chunks, segment_target(num_v_heads, device), 0)
-    below_band = segments_per_seq < TWO_SEGMENTS
-    if seg_chunks is not None or (below_band and _cut_may_pay(num_seqs, num_v_heads, max_chunks, sms, varlen)):
-        return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
-    return None
+    return None if seg_chunks is None else SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
 
 
 def _cut_may_pay(num_seqs: int, num_v_heads: int, max_chunks: int, sms: int, varlen: bool) -> bool:
-    """Below the two-segment band (SMs / Hv < 2 N, at most WAVE_MAX_SEQS sequences): whether
-    the call goes through the CP pipeline with the device choosing the cut
-    (``planning.wave_segment_chunks``).
+    """Below the two-segment band (SMs / Hv < 2 N): whether the call goes through the CP pipeline
+    with the device choosing the cut (``planning.wave_segment_chunks``). Up to WAVE_MAX_SEQS
+    sequences: every varlen call, equal sequences where the model cuts them; more: only where the
+    model at equal lengths (the capacity's share) takes its steps to MANY_SEQS_CUT_STEPS or below.
 
     Sweep (H200, forward kernel time, ms, off -> best forced segment length of 32, 64, 128, with
     the transitions forming W S: docs/performance.md v20): 16/48 x 28672+4096 1.496 -> 0.886
@@ -123,28 +121,20 @@ def _cut_may_pay(num_seqs: int, num_v_heads: int, max_chunks: int, sms: int, var
     lengths the host knows, are on only where a cut pays."""
     if max_chunks < TWO_SEGMENTS * WAVE_MIN_SEGMENT_CHUNKS + num_seqs:
         return False  # no sequence of two segments
-    return varlen or _cut_pays(max_chunks // num_seqs, num_seqs, num_v_heads, sms)
+    steps = _cut_steps(max_chunks // num_seqs, num_seqs, num_v_heads, sms)
+    if num_seqs > WAVE_MAX_SEQS:
+        return steps <= MANY_SEQS_CUT_STEPS
+    return varlen or steps < 1
 
 
 @functools.lru_cache(maxsize=256)
-def _cut_pays(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> bool:
-    """Whether ``wave_segment_chunks`` cuts ``num_seqs`` sequences of ``per_seq`` chunks (cached:
-    the host path runs it per call)."""
-    return wave_segment_chunks([per_seq] * num_seqs, WAVE_MIN_SEGMENT_CHUNKS, num_v_heads, sms) < per_seq
-
-
-@functools.lru_cache(maxsize=256)
-def _many_cut_pays(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> bool:
-    """Whether ``num_seqs`` sequences of ``per_seq`` chunks, more than WAVE_MAX_SEQS, go through the
-    CP pipeline with the wave model's cut: where its steps are at most MANY_SEQS_CUT_STEPS of the
-    uncut pass's. (For varlen calls the lengths are not known on the host: ``per_seq`` is the
-    capacity's share, and the device planner then cuts by the lengths it reads.)"""
-    if per_seq < TWO_SEGMENTS * WAVE_MIN_SEGMENT_CHUNKS:
-        return False
+def _cut_steps(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> float:
+    """The wave model's steps for ``num_seqs`` sequences of ``per_seq`` chunks at its best cut
+    (``wave_segment_chunks``) over its steps uncut: below 1 exactly where it cuts (cached: the host
+    path runs it per call)."""
     counts = [per_seq] * num_seqs
     cut = wave_segment_chunks(counts, WAVE_MIN_SEGMENT_CHUNKS, num_v_heads, sms)
-    whole = wave_cost(counts, per_seq, num_v_heads, sms)
-    return wave_cost(counts, cut, num_v_heads, sms) <= MANY_SEQS_CUT_STEPS * whole
+    return wave_cost(counts, cut, num_v_heads, sms) / wave_cost(counts, per_seq, num_v_heads, sms)
 
 
 @functools.lru_cache(maxsize=None)
