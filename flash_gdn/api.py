@@ -26,8 +26,9 @@ class ForwardSaved:
 
     Holds the forward's inputs (not copies) and its options. ``path`` names the
     implementation that ran the forward ("hopper" or "portable"); ``extras`` holds the
-    kernel intermediates the backward reuses on the Hopper path: the chunk inverse ``a_r``
-    (the default), or with ``save_chunk_states`` the chunk states and what made them.
+    kernel intermediates the backward reuses on the Hopper path: the chunk inverse ``a_r`` and
+    ``a_g`` with its ``factors`` (the default), or with ``save_chunk_states`` the chunk states and
+    what made them.
     """
 
     q: torch.Tensor
@@ -113,8 +114,9 @@ def chunk_gated_delta_rule_fwd(
     layout (None unless ``output_final_state``); ``saved`` is a :class:`ForwardSaved` to pass
     to :func:`chunk_gated_delta_rule_bwd`. On the Hopper path ``saved`` also holds every
     chunk's gate-free inverse A_r (fp16, 128 bytes per token and value head, as FLA keeps its
-    ``A``), which the backward reads instead of solving for it again. ``save_chunk_states``: see
-    :func:`chunk_gated_delta_rule`.
+    ``A``), which the backward reads instead of solving for it again, and A_g (the gated inverse
+    times beta, 128 bytes in bf16) with its gate and norm factors, which it reads instead of
+    forming them again. ``save_chunk_states``: see :func:`chunk_gated_delta_rule`.
     """
     problem = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     check_flag("save_chunk_states", save_chunk_states)
@@ -261,7 +263,8 @@ def chunk_gated_delta_rule(
             and W from the forward instead of recomputing them in the backward (Hopper
             path): a faster backward for ``K V / 32 + 2 (K + V) + 128`` bytes per token and
             value head kept (1.125 KiB at K = V = 128). Default: recompute them, keeping only
-            each chunk's inverse A_r (128 bytes per token and value head, as FLA keeps its A).
+            each chunk's inverse A_r (128 bytes per token and value head, as FLA keeps its A)
+            and A_g with its factors (132 bytes in bf16, and 8 per token and q/k head).
 
     FLA 0.6.0's other options (keyword arguments; ``fla_compat``):
         use_beta_sigmoid_in_kernel: ``beta`` holds logits; ``sigmoid(beta)`` is used (fp32).

@@ -53,8 +53,8 @@ from .launch import Launcher
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together, start_ahead
-from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, build_prepare_wu, factors_buffer, flat_inputs,
-                         launch_prepare, prepare_buffers, with_bound, without_w)
+from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, NO_OUTPUTS, build_prepare_wu, factors_buffer,
+                         flat_inputs, launch_prepare, prepare_buffers, with_bound, without_au, without_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
@@ -210,7 +210,7 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
 class BackwardKernels(NamedTuple):
     """The kernels one backward configuration launches (None: not launched)."""
 
-    prepare: Launcher | None  # None: the forward saved what it writes (save_chunk_states)
+    prepare: Launcher | None  # None: the forward saved what it writes (save_chunk_states, or A_g and its factors)
     local_dv: Launcher | None  # None: the state-gradient passes form M^T dO (roles_opted)
     chunk_states: Launcher | None  # None: the forward saved the chunk states
     state_grads: Launcher  # without CP the one pass; with CP the first, from a zero gradient
@@ -260,8 +260,9 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
     index_dtype = None if cu_seqlens is None else cu_seqlens.dtype
     prepared = saved.get("prepared")
     # What the forward left: its chunk states (and whether its plan has CP segments), its chunk
-    # inverse, or nothing.
-    source = ("states", prepared.plan.segments is not None) if prepared is not None else "a_r" in saved
+    # inverse (and A_g with its factors), or nothing.
+    source = (("states", prepared.plan.segments is not None) if prepared is not None
+              else ("a_r" in saved, "a_g" in saved))
     key = (problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None, source, q.device,
            env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_TRUNCATE"),
            env_get("FLASH_GDN_STATE_GRADS_ROLES"))
@@ -278,13 +279,14 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
     return config
 
 
-def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device) -> None:
+def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device,
+                  kept_a_g: bool = True) -> None:
     """At a training forward's first call of a configuration: start compiling the kernels its
     backward will launch, in forked workers left running (``prebuild.start_ahead``), so that they
     compile beside the forward's own rather than after it. Predicted as the default backward
-    that follows such a forward: the chunk inverse kept, the states recomputed, no gradient of
-    the final state (with one, ``state_grads`` differs and is compiled at the backward's first
-    call; the rest comes from the cache). Workers cannot be forked from the backward itself: it
+    that follows such a forward: the chunk inverse kept (and A_g where ``kept_a_g``), the states
+    recomputed, no gradient of the final state (with one, ``state_grads`` differs and is compiled
+    at the backward's first call; the rest comes from the cache). Workers cannot be forked from the backward itself: it
     runs on torch's autograd thread (``prebuild.autograd_threads_running``).
 
     On by default since s51 (``FLASH_GDN_COMPILE_AHEAD=0`` turns it off): on the H200 host, a cold
@@ -294,7 +296,8 @@ def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool
     the caller's thread."""
     if env_get("FLASH_GDN_COMPILE_AHEAD", "1") == "0":
         return
-    config = BackwardConfig(problem, dtype, gate_dtype, index_dtype, has_h0, False, {"a_r": None}, dev, build=False)
+    kept = {"a_r": None, "a_g": None} if kept_a_g else {"a_r": None}
+    config = BackwardConfig(problem, dtype, gate_dtype, index_dtype, has_h0, False, kept, dev, build=False)
     start_ahead(config.builders, config.build_key)
 
 
@@ -361,15 +364,21 @@ class BackwardConfig:
         self.form_w = state_grads_form_w(self.cp, self.block_v, dv, self.roles, self.prepare)
         if self.form_w:
             self.outputs = without_w(self.outputs)
+        # The forward kept A_g and its factors (``forward.DefaultForward``): prepare_wu writes no A_g,
+        # and where nothing else is left for it (A_r read, no W, no bounds) it does not run.
+        self.kept_a_g = self.prepare and "a_g" in saved and "a_r" in saved
+        if self.kept_a_g:
+            self.outputs = without_au(self.outputs)
+        self.from_forward = self.kept_a_g and not any(self.outputs[:5])
         self.kept_size: int | None = None  # bytes of the buffers a call keeps (``kept_buffers``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
         index_tl = None if index_dtype is None else TL_DTYPE[index_dtype]
         cp, block_v, recompute = self.cp, self.block_v, self.recompute
         builders = _kernel_builders(dk, dv, tl_dtype, gate_tl, has_h0, has_dht, cp, block_v, self.prepare, recompute,
-                                    self.outputs, self.truncate, self.roles, self.form_w)
+                                    self.outputs, self.truncate, self.roles, self.form_w, self.from_forward)
         # Compiled side by side at the first use (``prebuild``), with the varlen chunk map's kernels.
         key = ("backward", dk, dv, tl_dtype, gate_tl, index_tl, self.prepare, self.outputs, recompute, cp, has_h0,
-               has_dht, block_v, self.roles)
+               has_dht, block_v, self.roles, self.from_forward)
         plan_builders = [lambda: build_sequence_prefix(index_tl), build_cut_pieces] if self.prepare and index_tl else []
         self.build_key = key
         self.builders = [b for b in builders if b is not None] + plan_builders
@@ -402,7 +411,7 @@ class BackwardConfig:
         hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
         tokens, num_chunks = p.batch * p.seq_len, plan.chunk_bounds.shape[0]
         write_bound = self.outputs[4]  # (prepare_wu's outputs: see prepare_buffers)
-        factors = factors_buffer(p, num_chunks, write_bound, dev) if self.prepare else None
+        factors = factors_buffer(p, num_chunks, write_bound, dev) if self.prepare and not self.from_forward else None
         h = v_new = None
         if self.recompute:
             h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
@@ -426,10 +435,16 @@ class BackwardConfig:
         capture = capturing(dev)
         kept = self.kept_buffers(plan, not intermediates, capture)
         num_chunks = plan.chunk_bounds.shape[0]
-        if self.prepare:
+        if self.from_forward:  # A_g and its factors as the forward wrote them (NO_OUTPUTS: nothing new)
+            buffers = prepare_buffers(p, num_chunks, dtype, dev, NO_OUTPUTS, factors=saved["factors"])
+            buffers = buffers._replace(a_u=_kept_a_g(saved, num_chunks), a_r=saved["a_r"])
+        elif self.prepare:
             buffers = prepare_buffers(p, num_chunks, dtype, dev, self.outputs, saved.get("a_r"),
                                       None if kept is None else kept.factors)
             launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
+            if self.kept_a_g:  # (W and the bounds written here, A_g the forward's)
+                buffers = buffers._replace(a_u=_kept_a_g(saved, num_chunks))
+        if self.prepare:
             qf, kf, vf, _, bf = flat
             # (with form_w the state-gradient pass takes A_g in W's place and chunk_states reads neither)
             w = buffers.a_u if self.form_w else buffers.w
@@ -584,6 +599,15 @@ class BackwardConfig:
         return out
 
 
+def _kept_a_g(saved: dict, num_chunks: int) -> torch.Tensor:
+    """The forward's A_g, checked against the backward's plan (chunks are numbered by sequence
+    alone, so both plans number them alike; a mismatch is a caller's mix-up of saved extras)."""
+    a_g = saved["a_g"]
+    if a_g.shape[0] != num_chunks:
+        raise ValueError(f"the forward's A_g has {a_g.shape[0]} chunks, the backward's plan {num_chunks}")
+    return a_g
+
+
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` in ``dtype`` (``.to`` only where it converts: a no-op ``.to`` still costs a dispatch)."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -605,16 +629,17 @@ def _sequential_layout(saved: dict, seg_chunks: int | None, problem: Problem, de
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v, prepare, recompute,
-                     outputs, truncate=False, roles=True, form_w=False) -> BackwardKernels:
+                     outputs, truncate=False, roles=True, form_w=False, from_forward=False) -> BackwardKernels:
     """``BackwardKernels`` of zero-argument builders (None: not launched): the one place that
     picks the backward's variants. ``outputs``: the prepare_wu variant; ``truncate``: CP's
     transitions, scans and first state-gradient pass truncated where gates decay; ``roles``: the
     state-gradient passes form M^T dO (``state_grads_roles``, no ``local_dv``); ``form_w``: the
-    state-gradient pass forms W from K and A_g (``state_grads_form_w``)."""
+    state-gradient pass forms W from K and A_g (``state_grads_form_w``); ``from_forward``: the forward
+    kept all that ``prepare_wu`` would write (it is not launched)."""
     grads = build_state_grads_roles if roles else build_state_grads
     grads_options = dict(form_w=True) if form_w else {}
     return BackwardKernels(
-        prepare=(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs)) if prepare else None,
+        prepare=(lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *outputs)) if prepare and not from_forward else None,
         local_dv=None if roles else (lambda: build_local_dv(dk, dv, tl_dtype)),
         # Kernels compiled without an initial state / dht do not read that argument.
         chunk_states=((lambda: build_chunk_states(dk, dv, tl_dtype, has_h0 or cp, block_v,

@@ -26,7 +26,8 @@ from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, PrepareBuffers, build_prepare_wu,
-                         flat_inputs, launch_prepare, prepare_buffers, run_prepare, with_inverse)
+                         flat_inputs, kept_for_backward, launch_prepare, prepare_buffers, run_prepare, with_factors,
+                         with_inverse)
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_output import build_state_output
@@ -126,16 +127,18 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     The default forward goes through ``DefaultForward`` (kept per call key: host time). With
     ``for_backward`` (a backward will follow) it keeps each chunk's gate-free inverse for it:
     ``extras["a_r"]`` [chunks, Hv, 64, 64] fp16, 128 bytes per token and value head, so that the
-    backward's ``prepare_wu`` reads A_r instead of solving for it again (as FLA keeps its A).
+    backward's ``prepare_wu`` reads A_r instead of solving for it again (as FLA keeps its A), and
+    ``extras["a_g"]`` (A_g in the input dtype, another 128 bytes) with ``extras["factors"]`` (gamma
+    and the inverse norms, 4 (Hv + 2 Hqk) / Hv bytes), so that where A_g is all the backward's
+    ``prepare_wu`` would write, it does not run (``backward.BackwardConfig``).
     With ``save_states``, ``extras`` holds what the backward would otherwise recompute:
     ``prepared`` (W, gamma, inverse norms, A_r, the chunk plan; U dropped) and every chunk's start
     state ``h`` [chunks, Hv, K, V] and ``v_new`` [tokens, Hv, V] in the input dtype.
     """
     fused = use_fused(problem.head_k, problem.head_v, save_states)
     if not save_states and not fused:
-        o, final_state, a_r = default_forward_call(q, g, beta, problem, initial_state, cu_seqlens, for_backward)(
+        return default_forward_call(q, g, beta, problem, initial_state, cu_seqlens, for_backward)(
             q, k, v, g, beta, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first)
-        return o, final_state, ({} if a_r is None else {"a_r": a_r})
     batch, seq_len, num_seqs = problem.batch, problem.seq_len, problem.num_seqs
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     tokens, dtype, dev = batch * seq_len, q.dtype, q.device
@@ -243,8 +246,8 @@ class _Workspace(NamedTuple):
 class DefaultForward:
     """The default forward for one key of ``_CALLS``: its decisions (CP segments, the split
     output kernel) and kernels made once, its intermediates allocated per call or kept. With
-    ``keep_inverse`` ``prepare_wu`` also writes A_r, into a buffer of the call's own (it is
-    returned for the backward, so never kept)."""
+    ``keep_inverse`` ``prepare_wu`` also writes A_r, and writes A_g and its factors, into buffers of the
+    call's own (they are returned for the backward, so never kept)."""
 
     def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device, keep: bool,
                  keep_inverse: bool = False):
@@ -271,7 +274,7 @@ class DefaultForward:
         if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
             from .backward import compile_ahead
 
-            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev)
+            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=not self.state_q_norms)
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,
@@ -303,17 +306,25 @@ class DefaultForward:
 
     def __call__(self, q, k, v, g, beta, initial_state, output_final_state: bool, use_l2: bool, cu_seqlens,
                  state_v_first: bool):
-        """``(o, final_state, a_r)`` as ``hopper_forward`` returns them (``a_r``: None unless
-        ``keep_inverse``)."""
+        """``(o, final_state, extras)`` as ``hopper_forward`` returns them (``extras`` empty unless
+        ``keep_inverse``: then A_r, and where the forward wrote every factor, A_g and the factors)."""
         p, kernels = self.problem, self.kernels
         flat = flat_inputs(q, k, v, g, beta, p, self.gate_dtype)
         plan = plan_for(p.batch, p.seq_len, cu_seqlens, self.dev, *self.rule)
         ws = self.workspace or self._workspace(plan)
-        prep, a_r = ws.prep, None
+        prep, kept = ws.prep, {}
         if self.keep_inverse:
-            a_r = torch.empty(plan.chunk_bounds.shape[0], p.num_v_heads, CHUNK, CHUNK, dtype=torch.float16,
-                              device=self.dev)
-            prep = prep._replace(a_r=a_r)
+            # The backward's: A_r, and A_g with gamma and the inverse norms (``kept_for_backward``),
+            # written here into buffers of this call's own instead of the kept workspace's. Not A_g
+            # where the state kernel forms q's inverse norms (then the backward's prepare_wu writes them).
+            num_chunks, write_bound = plan.chunk_bounds.shape[0], self.outputs[4]
+            if use_l2 and self.state_q_norms:
+                a_r = torch.empty(num_chunks, p.num_v_heads, CHUNK, CHUNK, dtype=torch.float16, device=self.dev)
+                prep, kept = prep._replace(a_r=a_r), {"a_r": a_r}
+            else:
+                a_r, a_g, factors = kept_for_backward(p, num_chunks, self.dtype, self.dev, write_bound)
+                prep = with_factors(prep._replace(a_r=a_r, a_u=a_g), p, num_chunks, factors, write_bound)
+                kept = {"a_r": a_r, "a_g": a_g, "factors": factors}
         launch_prepare(kernels.prepare, flat, plan, prep, use_l2, q_norms=not self.state_q_norms)
         qf, kf, vf = flat[:3]
         # the roles kernel's last argument
@@ -333,7 +344,7 @@ class DefaultForward:
             final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
                                            h0, p.scale, o, q_norms, output_final_state)
         o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
-        return o, _caller_layout(final_state, output_final_state, state_v_first), a_r
+        return o, _caller_layout(final_state, output_final_state, state_v_first), kept
 
 
 def _kernel_h0(initial_state, state_v_first: bool):

@@ -66,6 +66,7 @@ FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
 BACKWARD_OUTPUTS = (True, False, True, True, False, False)
 BACKWARD_FROM_INVERSE_OUTPUTS = (False, False, True, True, False, True)
 SAVED_STATE_OUTPUTS = (True, True, False, True, False, False)
+NO_OUTPUTS = (False,) * 6  # (``prepare_buffers`` for buffers written elsewhere: the forward's, for the backward)
 # ``normalize``, the kernel's runtime switch of the fused L2 norm: 0 none (the inverse norms
 # written as 1), 1 both q's and k's norms, NORMALIZE_K_ONLY k's alone, where the state kernel
 # forms q's from its own q tile (``state_output_roles`` with ``q_norms``: q then goes through HBM
@@ -104,6 +105,11 @@ def with_bound(outputs: tuple) -> tuple:
 def without_w(outputs: tuple) -> tuple:
     """``outputs`` that write no W (the backward's sequential passes form it from K and A_g)."""
     return (*outputs[:3], False, *outputs[4:])
+
+
+def without_au(outputs: tuple) -> tuple:
+    """``outputs`` that write no A_g (the backward after a forward that kept its own)."""
+    return (*outputs[:2], False, *outputs[3:])
 
 
 @functools.lru_cache(maxsize=None)
@@ -336,7 +342,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
                 T.copy(kkt, a_w)
-            if not scaled:  # (the scaled inverse has written A_g into a_u itself)
+            # (the scaled inverse has written A_g into a_u itself; where neither A_g nor U is written,
+            # the backward after a forward that kept A_g, it is not formed)
+            if not scaled and (write_au or write_u):
                 if gated:  # inv = D A_r D^-1 already, exactly zero above the diagonal
                     for i, j in T.Parallel(CHUNK, CHUNK):
                         inv[i, j] = inv[i, j] * beta_s[j]
@@ -483,6 +491,36 @@ def factors_buffer(problem, num_chunks: int, write_bound: bool, dev: torch.devic
                        dtype=torch.float32, device=dev)
 
 
+def kept_for_backward(problem, num_chunks: int, dtype: torch.dtype, dev: torch.device,
+                      write_bound: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a_r, a_g, factors)``: the buffers a training forward's ``prepare_wu`` writes and hands to
+    the backward (A_r fp16 and A_g in ``dtype``, ``[chunks, Hv, 64, 64]``, and a ``factors_buffer``),
+    cut from one allocation (host time: one ``torch.empty`` instead of three). Each part is a whole
+    number of 256-byte rows, so every view keeps the alignment its TMA boxes need."""
+    hv = problem.num_v_heads
+    tile = num_chunks * hv * CHUNK * CHUNK
+    rows = hv + 2 * problem.num_qk_heads
+    factor_elems = rows * num_chunks * CHUNK + (hv * num_chunks if write_bound else 0)
+    a_g_bytes = tile * torch.empty((), dtype=dtype).element_size()
+    buf = torch.empty(2 * tile + a_g_bytes + 4 * factor_elems, dtype=torch.uint8, device=dev)
+    a_r = buf[:2 * tile].view(torch.float16).view(num_chunks, hv, CHUNK, CHUNK)
+    a_g = buf[2 * tile:2 * tile + a_g_bytes].view(dtype).view(num_chunks, hv, CHUNK, CHUNK)
+    factors = buf[2 * tile + a_g_bytes:].view(torch.float32)
+    return a_r, a_g, factors
+
+
+def with_factors(buffers: "PrepareBuffers", problem, num_chunks: int, factors: torch.Tensor,
+                 write_bound: bool) -> "PrepareBuffers":
+    """``buffers`` with gamma, the inverse norms and the log bounds cut from ``factors`` (a
+    ``factors_buffer``'s layout) instead."""
+    hv, hqk = problem.num_v_heads, problem.num_qk_heads
+    rows = hv + 2 * hqk
+    gamma, q_norm_inv, k_norm_inv = factors[:rows * num_chunks * CHUNK].view(rows, num_chunks, CHUNK).split_with_sizes(
+        (hv, hqk, hqk))
+    log_bound = factors[rows * num_chunks * CHUNK:].view(hv, num_chunks) if write_bound else buffers.log_bound
+    return buffers._replace(gamma=gamma, q_norm_inv=q_norm_inv, k_norm_inv=k_norm_inv, log_bound=log_bound)
+
+
 def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.device,
                     outputs: tuple[bool, ...], a_r: torch.Tensor | None = None,
                     factors: torch.Tensor | None = None) -> PrepareBuffers:
@@ -491,7 +529,7 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
     ``factors``: a ``factors_buffer`` of the caller's (kept between calls), else a new one."""
     write_inverse, write_u, write_au, write_w, write_bound, read_inverse = outputs
     tokens = problem.batch * problem.seq_len
-    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
+    hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
     w = torch.empty(tokens, hv, dk, dtype=dtype, device=dev) if write_w else unused_buffer(dev, dtype, (1, 1, dk))
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))
     a_u = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=dtype, device=dev) if write_au
@@ -500,13 +538,8 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
     # the inverse row norms of q and k alike per q/k head. One allocation for the three (host
     # time: each torch.empty is a few us on the GPU host), rows of 256 bytes keep the alignment.
     # The transitions' log bounds (one value per value head and chunk) come after them.
-    rows = hv + 2 * hqk
     if factors is None:
         factors = factors_buffer(problem, num_chunks, write_bound, dev)
-    gamma, q_norm_inv, k_norm_inv = factors[:rows * num_chunks * CHUNK].view(rows, num_chunks, CHUNK).split_with_sizes(
-        (hv, hqk, hqk))
-    log_bound = (factors[rows * num_chunks * CHUNK:].view(hv, num_chunks) if write_bound
-                 else unused_buffer(dev, torch.float32, (1, 1)))
     if read_inverse:
         if a_r is None or a_r.shape != (num_chunks, hv, CHUNK, CHUNK) or a_r.dtype != torch.float16:
             raise ValueError(f"read_inverse needs the forward's A_r [{num_chunks}, {hv}, {CHUNK}, {CHUNK}] fp16, got "
@@ -515,7 +548,9 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
         a_r = torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=torch.float16, device=dev)
     else:
         a_r = unused_buffer(dev, torch.float16, (1, 1, CHUNK, CHUNK))
-    return PrepareBuffers(w, u, a_u, gamma, q_norm_inv, k_norm_inv, a_r, log_bound)
+    unused_bound = unused_buffer(dev, torch.float32, (1, 1))
+    return with_factors(PrepareBuffers(w, u, a_u, None, None, None, a_r, unused_bound), problem, num_chunks, factors,
+                        write_bound)
 
 
 def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareBuffers, use_l2: bool,

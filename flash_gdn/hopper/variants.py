@@ -17,7 +17,7 @@ from .kkt_solve import build_kkt_solve
 from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS,
-                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_bound, with_inverse, without_w)
+                         SAVED_STATE_OUTPUTS, build_prepare_wu, with_bound, with_inverse, without_au, without_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state
@@ -37,7 +37,9 @@ HEAD_DIMS = (64, 128)
 PREPARE_OUTPUTS = tuple(dict.fromkeys((
     FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, with_inverse(FORWARD_OUTPUTS), with_inverse(FORWARD_CP_OUTPUTS),
     BACKWARD_OUTPUTS, BACKWARD_FROM_INVERSE_OUTPUTS, SAVED_STATE_OUTPUTS, with_bound(BACKWARD_OUTPUTS),
-    with_bound(BACKWARD_FROM_INVERSE_OUTPUTS), without_w(BACKWARD_OUTPUTS), without_w(BACKWARD_FROM_INVERSE_OUTPUTS))))
+    with_bound(BACKWARD_FROM_INVERSE_OUTPUTS), without_w(BACKWARD_OUTPUTS), without_w(BACKWARD_FROM_INVERSE_OUTPUTS),
+    # after a forward that kept A_g: W alone, and with CP's bounds (backward.BackwardConfig.kept_a_g)
+    without_au(BACKWARD_FROM_INVERSE_OUTPUTS), with_bound(without_au(BACKWARD_FROM_INVERSE_OUTPUTS)))))
 
 
 def kernel_builders(head_dim: int, dtype: str):

@@ -95,8 +95,8 @@ def test_sequential_passes_forming_w_match_reference(monkeypatch, form_w, l2):
 @pytest.mark.parametrize("inverse", ["solved", "from_forward"])
 def test_backward_forming_w_matches_naive_autograd(monkeypatch, inverse):
     """The whole backward with the sequential passes forming W (all of V a CTA, CP off) against
-    fp64 autograd, behind ``prepare_wu`` solving for the chunk inverse or reading the forward's A_r
-    (the two variants that write A_w instead of W)."""
+    fp64 autograd, behind ``prepare_wu`` solving for the chunk inverse, or behind no ``prepare_wu``:
+    the forward's A_r, A_g and factors read as the forward wrote them."""
     from flash_gdn.hopper import backward
 
     monkeypatch.setenv("FLASH_GDN_CP", "0")
@@ -104,6 +104,8 @@ def test_backward_forming_w_matches_naive_autograd(monkeypatch, inverse):
     _check_whole_backward(LENGTHS, 2, 8, True, False, inverse=inverse)
     (config,) = backward._CONFIGS.values()
     assert config.form_w and not config.outputs[3]  # (no W written)
+    # After a forward that kept A_g and its factors, prepare_wu does not run: they are all it would write.
+    assert config.from_forward == (inverse == "from_forward") and (config.kernels.prepare is None) == config.from_forward
 
 
 @pytest.mark.parametrize("seg_chunks,l2,h0_dht,roles", [(1, False, True, "1"), (3, True, True, "1"), (2, False, False, "1"),
@@ -250,7 +252,8 @@ def _backward_inputs(lengths, hqk, hv, l2, batch=1, d=128):
 def _check_whole_backward(lengths, hqk, hv, l2, state_v_first, batch=1, inverse="solved"):
     """The whole Hopper backward against fp64 autograd. ``inverse``: "solved" (prepare_wu solves
     for the chunk inverse, as after a forward that kept nothing) or "from_forward" (it reads
-    the A_r that a forward run for a backward kept, the autograd default); returns the grads."""
+    the A_r that a forward run for a backward kept, the autograd default, and where that is all
+    prepare_wu would write, takes the forward's A_g and factors instead); returns the grads."""
     from flash_gdn.hopper.backward import hopper_backward
     from flash_gdn.hopper.forward import hopper_forward
 
@@ -261,7 +264,8 @@ def _check_whole_backward(lengths, hqk, hv, l2, state_v_first, batch=1, inverse=
     saved = None
     if inverse == "from_forward":
         _, _, saved = hopper_forward(q, k, v, g, beta, problem, init, False, l2, cu, state_v_first, for_backward=True)
-        assert set(saved) == {"a_r"}
+        # A_r, and A_g with its factors unless the forward left q's inverse norms to its state kernel
+        assert set(saved) in ({"a_r"}, {"a_r", "a_g", "factors"}), set(saved)
     with poisoned():
         grads = hopper_backward(q, k, v, g, beta, do.to(torch.bfloat16), dht.float(), problem, init, l2, cu,
                                 state_v_first, saved)

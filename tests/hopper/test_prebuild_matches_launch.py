@@ -242,6 +242,29 @@ def test_the_sequential_passes_read_no_w_where_they_fill_the_gpu(recorder, monke
     grads = [v for v in recorder.launched if v[0] in ("build_state_grads_roles", "build_state_grads")]
     assert [("form_w", wide) in variant[2] for variant in chunk_states] == [True]
     assert any(("form_w", True) in variant[2] for variant in grads) == config.form_w
+    # The training forward kept A_g and its factors: where that is all prepare_wu would write (form_w),
+    # the backward does not launch it, and reads them instead.
+    assert "a_g" in extras and "factors" in extras
+    assert not config.outputs[2]  # (write_au: A_g is the forward's wherever the backward reads it)
+    prepares = [name for name, _ in recorder.calls if name == "build_prepare_wu"]
+    assert config.from_forward == config.form_w
+    assert len(prepares) == (1 if config.form_w else 2)  # (the forward's, and where not from it the backward's)
+
+
+@pytest.mark.parametrize("use_l2", [False, True])
+def test_a_g_is_handed_over_only_with_every_factor(recorder, use_l2):
+    """Without grouped heads and with the fused L2 norm the forward's state kernel forms q's inverse
+    norms itself, so its prepare_wu leaves them unwritten: A_g and the factors are then not handed to
+    the backward (its own prepare_wu writes them), and the backward is a configuration of its own."""
+    from flash_gdn.hopper import backward
+    from flash_gdn.hopper.forward import hopper_forward
+
+    q, k, v, g, beta, cu, problem = _inputs([256] * 4, 40, 40)
+    _, _, extras = hopper_forward(q, k, v, g, beta, problem, None, True, use_l2, cu, False, for_backward=True)
+    assert ("a_g" in extras) == (not use_l2) and "a_r" in extras
+    backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, use_l2, cu, extras)
+    (config,) = [c for c in backward._CONFIGS.values() if c.problem == problem]
+    assert config.form_w and config.from_forward == (not use_l2)
 
 
 @pytest.mark.parametrize("lengths, hqk, hv", [([8192], 16, 32), ([4096, 4096], 32, 32), ([8192], 16, 48)])
