@@ -501,7 +501,7 @@ def kept_for_backward(problem, num_chunks: int, dtype: torch.dtype, dev: torch.d
     tile = num_chunks * hv * CHUNK * CHUNK
     rows = hv + 2 * problem.num_qk_heads
     factor_elems = rows * num_chunks * CHUNK + (hv * num_chunks if write_bound else 0)
-    a_g_bytes = tile * torch.empty((), dtype=dtype).element_size()
+    a_g_bytes = tile * dtype.itemsize
     buf = torch.empty(2 * tile + a_g_bytes + 4 * factor_elems, dtype=torch.uint8, device=dev)
     a_r = buf[:2 * tile].view(torch.float16).view(num_chunks, hv, CHUNK, CHUNK)
     a_g = buf[2 * tile:2 * tile + a_g_bytes].view(dtype).view(num_chunks, hv, CHUNK, CHUNK)
