@@ -366,7 +366,7 @@ class BackwardConfig:
             self.outputs = without_w(self.outputs)
         # The forward kept A_g and its factors (``forward.DefaultForward``): prepare_wu writes no A_g,
         # and where nothing else is left for it (A_r read, no W, no bounds) it does not run.
-        self.kept_a_g = self.prepare and "a_g" in saved and "a_r" in saved
+        self.kept_a_g = self.prepare and "a_g" in saved  # (handed over with A_r: the outputs read it)
         if self.kept_a_g:
             self.outputs = without_au(self.outputs)
         self.from_forward = self.kept_a_g and not any(self.outputs[:5])

@@ -483,12 +483,19 @@ class PrepareBuffers(NamedTuple):
     log_bound: torch.Tensor
 
 
-def factors_buffer(problem, num_chunks: int, write_bound: bool, dev: torch.device) -> torch.Tensor:
-    """The one fp32 buffer that ``prepare_buffers`` cuts gamma, the inverse norms and (with
-    ``write_bound``) the log bounds from."""
+def _factor_elems(problem, num_chunks: int, write_bound: bool) -> int:
+    """fp32 elements of a ``factors_buffer``: gamma per value head and chunk (gamma_C past the
+    chunk's end), the inverse row norms of q and of k per q/k head and chunk (rows of 256 bytes: one
+    16-byte-aligned TMA box each), then with ``write_bound`` one log bound per value head and chunk."""
     rows = problem.num_v_heads + 2 * problem.num_qk_heads
-    return torch.empty(rows * num_chunks * CHUNK + (problem.num_v_heads * num_chunks if write_bound else 0),
-                       dtype=torch.float32, device=dev)
+    return rows * num_chunks * CHUNK + (problem.num_v_heads * num_chunks if write_bound else 0)
+
+
+def factors_buffer(problem, num_chunks: int, write_bound: bool, dev: torch.device) -> torch.Tensor:
+    """The one fp32 buffer that ``with_factors`` cuts gamma, the inverse norms and (with
+    ``write_bound``) the log bounds from (one allocation for all: each torch.empty is a few us of
+    host time on the GPU host)."""
+    return torch.empty(_factor_elems(problem, num_chunks, write_bound), dtype=torch.float32, device=dev)
 
 
 def kept_for_backward(problem, num_chunks: int, dtype: torch.dtype, dev: torch.device,
@@ -499,10 +506,9 @@ def kept_for_backward(problem, num_chunks: int, dtype: torch.dtype, dev: torch.d
     number of 256-byte rows, so every view keeps the alignment its TMA boxes need."""
     hv = problem.num_v_heads
     tile = num_chunks * hv * CHUNK * CHUNK
-    rows = hv + 2 * problem.num_qk_heads
-    factor_elems = rows * num_chunks * CHUNK + (hv * num_chunks if write_bound else 0)
     a_g_bytes = tile * dtype.itemsize
-    buf = torch.empty(2 * tile + a_g_bytes + 4 * factor_elems, dtype=torch.uint8, device=dev)
+    buf = torch.empty(2 * tile + a_g_bytes + 4 * _factor_elems(problem, num_chunks, write_bound), dtype=torch.uint8,
+                      device=dev)
     a_r = buf[:2 * tile].view(torch.float16).view(num_chunks, hv, CHUNK, CHUNK)
     a_g = buf[2 * tile:2 * tile + a_g_bytes].view(dtype).view(num_chunks, hv, CHUNK, CHUNK)
     factors = buf[2 * tile + a_g_bytes:].view(torch.float32)
@@ -534,10 +540,6 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
     u = torch.empty(tokens, hv, dv, dtype=dtype, device=dev) if write_u else unused_buffer(dev, dtype, (1, 1, dv))
     a_u = (torch.empty(num_chunks, hv, CHUNK, CHUNK, dtype=dtype, device=dev) if write_au
            else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
-    # gamma per value head and chunk (gamma_C past the chunk's end): one 16-byte-aligned TMA box;
-    # the inverse row norms of q and k alike per q/k head. One allocation for the three (host
-    # time: each torch.empty is a few us on the GPU host), rows of 256 bytes keep the alignment.
-    # The transitions' log bounds (one value per value head and chunk) come after them.
     if factors is None:
         factors = factors_buffer(problem, num_chunks, write_bound, dev)
     if read_inverse:
