@@ -109,11 +109,12 @@ class IndexEntry:
             pass
 
 
-def entry_for(factory, args: tuple, kwargs: dict, compile_flags: list[str]) -> IndexEntry | None:
+def entry_for(factory, args: tuple, kwargs: dict, compile_flags: list[str],
+              pass_configs: dict | None = None) -> IndexEntry | None:
     """The index entry of ``factory(*args, **kwargs)`` built under the current TVM target, as
-    ``tilelang.jit`` with default options (target, execution backend, pass configurations) would
-    build it; None where the index is off or those cannot be resolved (no target given and no
-    GPU, TileLang's cache disabled)."""
+    ``tilelang.jit`` with default options (target, execution backend) and ``pass_configs`` (the
+    factory's ``jit`` gives them) would build it; None where the index is off or those cannot be
+    resolved (no target given and no GPU, TileLang's cache disabled)."""
     if not enabled():
         return None
     try:
@@ -125,7 +126,7 @@ def entry_for(factory, args: tuple, kwargs: dict, compile_flags: list[str]) -> I
         if not env.is_cache_enabled():
             return None
         cache, context, _ = tl_cache._resolve_cache_dispatch(None, None, None, False)
-        pass_configs = normalize_pass_configs(None)
+        pass_configs = normalize_pass_configs(pass_configs or None)
         ident = repr((factory.__module__, factory.__qualname__, args, sorted(kwargs.items()), compile_flags,
                       str(context.target), str(context.target_host), context.execution_backend.name,
                       sorted((str(k), str(v)) for k, v in pass_configs.items()), tilelang.__version__,

@@ -43,8 +43,9 @@ def sm90_nvcc_command(source_path: str, output_path: str, *mode: str) -> list[st
 _DECORATE = threading.Lock()
 
 
-def jit(kernel_factory):
-    """``tilelang.jit`` with this project's ``COMPILE_FLAGS``: the decorator of every kernel factory.
+def jit(kernel_factory=None, *, pass_configs: dict | None = None):
+    """``tilelang.jit`` with this project's ``COMPILE_FLAGS``: the decorator of every kernel factory
+    (``@jit``, or ``@jit(pass_configs={...})`` for a kernel built under TileLang pass options).
 
     Applied at the factory's first call rather than here: ``tilelang.jit`` parses and rewrites
     the factory's source when it decorates (~0.2-0.4 s a factory), and importing the kernel
@@ -52,12 +53,15 @@ def jit(kernel_factory):
     four to ten of them (s49: ``hopper.forward``'s import 2.5 -> 0.4 s on a CPU host). The
     decorations take one lock, as they did one after the other at import. A kernel that
     ``kernel_index`` has seen built loads from TileLang's cache without either (s50)."""
+    if kernel_factory is None:
+        return functools.partial(jit, pass_configs=pass_configs)
+    configs = dict(pass_configs or {})
     decorated = None
 
     @functools.wraps(kernel_factory)
     def factory(*args, **kwargs):
         nonlocal decorated
-        entry = kernel_index.entry_for(kernel_factory, args, kwargs, COMPILE_FLAGS)
+        entry = kernel_index.entry_for(kernel_factory, args, kwargs, COMPILE_FLAGS, configs)
         if entry is not None:
             kernel = entry.load()  # a warm cache: no decoration, no tracing (kernel_index)
             if kernel is not None:
@@ -65,7 +69,7 @@ def jit(kernel_factory):
         if decorated is None:
             with _DECORATE:
                 if decorated is None:
-                    decorated = tilelang.jit(compile_flags=list(COMPILE_FLAGS))(kernel_factory)
+                    decorated = tilelang.jit(compile_flags=list(COMPILE_FLAGS), pass_configs=configs or None)(kernel_factory)
         kernel = decorated(*args, **kwargs)
         if entry is not None:
             entry.save(kernel)

@@ -82,7 +82,9 @@ def _add_dg(z_s, zsum_s, dg, start, length, head):
     """dg[start + i, head] += (reverse cumsum of z_s)[i] for the chunk's rows, one atomic add per
     row. z_s holds [dgamma (C rows); y (C)]: the reverse cumsum over both halves gives row i
     sum_{j >= i} dgamma_j + sum_j y_j, i.e. a term added to every row of the chunk comes in as y."""
+    T.sync_threads()  # z_s, written by other threads
     T.cumsum(z_s, zsum_s, reverse=True)
+    T.sync_threads()
     for i in T.Parallel(CHUNK):
         if i < length:
             T.atomic_add(dg[start + i, head], zsum_s[i])
@@ -133,7 +135,9 @@ def _l2_backward_store(grad, tmp, red_s, x_tile, x_inv, normalize, stage, out, s
         for i, d in T.Parallel(CHUNK, grad.shape[1]):
             grad[i, d] = x_inv[i] * (grad[i, d] - (row_sum(red_s, P_N, i) * (x_inv[i] * x_inv[i]))
                                      * T.cast(x_tile[i, d], ACCUM))
+    T.sync_threads()  # (the last member's readers of ``stage``)
     T.copy(grad, stage)
+    T.sync_threads()
     store_chunk_rows(stage, out, start, length, qk_head, 0)
 
 
@@ -167,7 +171,14 @@ def _next_member_tiles(do, v_new, gamma, h, dh, do_tile, vn_tile, gamma_s, st_ti
                            chunk_id, head + 1, role, head_k, head_v)
 
 
-@jit
+# Every barrier of this kernel is written out: TileLang's sync pass is off for it. The pass put more,
+# per member 4 in the dq CTA and 6 in the dk CTA: after reading gamma_C, before dM's product where no
+# row was masked, before dQK's store to its shared tile, after the next member's TMA block, and (dk)
+# two around <S, dS'>. Each ordered accesses that an earlier barrier (the member's start, the next
+# member's loads, the row sums') already orders. Without them: -2.2 to -2.4 % of the kernel,
+# bit-identical outputs (H200, s64). A shared tile written by some threads and read by others needs
+# its T.sync_threads() here by hand.
+@jit(pass_configs={"tl.disable_thread_storage_sync": True})
 def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -264,6 +275,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                     exact_s = T.if_then_else(T.And(has_h0 != 0, start == seq_info[seq, 0]), 1, 0)
                     exact_ds = T.if_then_else(T.And(has_dht != 0, start + length == seq_info[seq, 1]), 1, 0)
                 T.mbarrier_wait_parity(qk_ready, 0)
+                T.sync_threads()  # q_inv, k_inv
                 T.clear(grad)
                 # q and k stay raw in shared memory: their inverse norms (r_q, r_k) enter as row factors
                 # of the fragments that the tiles multiply, no pass over the tiles (normalised,
@@ -297,6 +309,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                         for i, j in T.Parallel(CHUNK, head_v):
                             do_tile[i, j] = T.if_then_else(i < length, do_tile[i, j], T.cast(0, dtype))
                             vn_tile[i, j] = T.if_then_else(i < length, vn_tile[i, j], T.cast(0, dtype))
+                        T.sync_threads()  # the masked tiles, before the products read them
 
                     # dQK = Gamma * tril(scale dO V_new^T) (in registers; the exponent clamped, tiles.pair_decay).
                     # The dk CTA forms dQK^T (from V_new dO^T): its rows are dQK's columns, so the column
@@ -312,6 +325,7 @@ def _qk_grads_kernel(head_k, head_v, dtype, threads=256):
                             dm[i, j] = (T.Select(j >= i, dm[i, j] * scale, T.cast(0, ACCUM))
                                         * pair_decay(gamma_s[j], gamma_s[i]) * q_inv[j])
                     T.copy(dm, dqk_s)
+                    T.sync_threads()
                     # dgamma terms of M: rows (dq CTA) and columns (dk CTA) of dQK * QK, each a row sum
                     # of its CTA's dm * qk, formed while the CTA's two products run (_row_sums_of_product
                     # touches neither their operands nor their accumulators; its partials' rows are its
