@@ -14,7 +14,7 @@ pytest.importorskip("tilelang")
 SM90 = {"kind": "cuda", "arch": "sm_90a"}
 
 
-def _entry(factory_args=(1, 2)):
+def _entry(factory_args=(1, 2), pass_configs=None):
     from tilelang import tvm
 
     from flash_gdn.hopper import kernel_index
@@ -23,7 +23,7 @@ def _entry(factory_args=(1, 2)):
         return args
 
     with tvm.target.Target(SM90):
-        return kernel_index.entry_for(factory, factory_args, {}, ["-ftz=true"])
+        return kernel_index.entry_for(factory, factory_args, {}, ["-ftz=true"], pass_configs)
 
 
 def test_entries_are_named_by_arguments_and_sources(monkeypatch):
@@ -33,6 +33,16 @@ def test_entries_are_named_by_arguments_and_sources(monkeypatch):
     assert a is not None and a.path != b.path and a.path == _entry((1, 2)).path
     monkeypatch.setattr(kernel_index, "_sources_digest", "an edited package")
     assert _entry((1, 2)).path != a.path  # other sources: another entry, never the old kernel
+
+
+def test_entries_are_named_by_pass_options():
+    """A kernel built under TileLang pass options (``launch.jit(pass_configs=...)``, e.g. qk_grads without the
+    sync pass) is another entry than the same factory and arguments built without them, and loads with them."""
+    off = {"tl.disable_thread_storage_sync": True}
+    plain, with_off = _entry(), _entry(pass_configs=off)
+    assert plain.path != with_off.path and with_off.path == _entry(pass_configs=dict(off)).path
+    assert _entry(pass_configs={}).path == plain.path
+    assert with_off.pass_configs.get("tl.disable_thread_storage_sync") and not plain.pass_configs
 
 
 def test_switched_off_or_without_a_target(monkeypatch):
