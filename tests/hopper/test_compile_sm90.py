@@ -4,6 +4,7 @@ This is how CI (no GPU) proves the kernels build; it also checks that the matrix
 went to wgmma, the Hopper tensor-core instruction.
 """
 
+import re
 import shutil
 
 import pytest
@@ -236,6 +237,37 @@ def _stores_into(source: str, tile: str) -> list[str]:
         elif line.startswith(("*(", "((")) and " = " in line and f"*){tile})" in line.split(" = ", 1)[0]:
             found.append(line)
     return found
+
+
+_TILE_CONSUMERS = ("initialize_wgmma_descriptor", "CumSum1D", "tma_store(", "AtomicAdd")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("qk_grads")))
+def test_qk_grads_writes_out_each_barrier_its_shared_tiles_need(name):
+    """qk_grads is built without TileLang's sync pass (s64), so its barriers are the source's. Each
+    shared tile that threads write and a product (wgmma), the cumsum, a TMA store or dg's atomic
+    adds then read has a ``__syncthreads()`` between its last write before that reader and the
+    reader, in the generated code's order."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    lines = [line.strip() for line in source.splitlines()]
+    tiles = {m for line in lines for m in re.findall(r"\*\)(\w+)\)\[", line)}
+    checked = 0
+    for tile in sorted(tiles):
+        writes = set(_stores_into(source, tile))
+        written_at = [i for i, line in enumerate(lines)
+                      if line in writes or ("CumSum1D" in line and line.rstrip(");").endswith(f"*){tile})[0])), 128"))]
+        for i, line in enumerate(lines):
+            if f"*){tile})" not in line or not any(c in line for c in _TILE_CONSUMERS) or i in written_at:
+                continue
+            before = [w for w in written_at if w < i]
+            if not before:  # (a tile only TMA writes: its mbarrier orders it)
+                continue
+            checked += 1
+            assert "__syncthreads();" in lines[before[-1]:i], f"{name}: {tile} written at line {before[-1]} and read at {i} with no barrier"
+    assert checked >= 4, f"{name}: only {checked} reads checked"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith("qk_grads")))
