@@ -137,7 +137,7 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     """
     fused = use_fused(problem.head_k, problem.head_v, save_states)
     if not save_states and not fused:
-        return default_forward_call(q, g, beta, problem, initial_state, cu_seqlens, for_backward)(
+        return default_forward_call(q, g, beta, problem, initial_state, cu_seqlens, for_backward, use_l2)(
             q, k, v, g, beta, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first)
     batch, seq_len, num_seqs = problem.batch, problem.seq_len, problem.num_seqs
     hv, dk, dv = problem.num_v_heads, problem.head_k, problem.head_v
@@ -207,22 +207,22 @@ def release_workspaces() -> None:
 
 
 def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens,
-                         keep_inverse: bool = False) -> "DefaultForward":
+                         keep_inverse: bool = False, use_l2: bool = False) -> "DefaultForward":
     """The ``DefaultForward`` of this call: a kept one for its key, or a new one (kept unless
-    capturing a CUDA graph)."""
+    capturing a CUDA graph; ``use_l2``, the call's, predicts what a new one's backward reads)."""
     gate_dtype = kernel_gate_dtype(g, beta, q.dtype)
     index_dtype = None if cu_seqlens is None else cu_seqlens.dtype
     dev, has_h0 = q.device, initial_state is not None
     if planning.capturing(dev):
         return DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=False,
-                              keep_inverse=keep_inverse)
+                              keep_inverse=keep_inverse, use_l2=use_l2)
     stream = planning.current_stream_handle(dev) if dev.type == "cuda" else None
     key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(), keep_inverse,
            env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_STATE_ROLES"))
     call = _CALLS.get(key)
     if call is None:
         call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True,
-                              keep_inverse=keep_inverse)
+                              keep_inverse=keep_inverse, use_l2=use_l2)
         with _CALLS_LOCK:  # (the miss path only: other threads may be adding or dropping entries)
             while len(_CALLS) >= CALLS_KEPT:
                 del _CALLS[next(iter(_CALLS))]
@@ -250,7 +250,9 @@ class DefaultForward:
     call's own (they are returned for the backward, so never kept)."""
 
     def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device, keep: bool,
-                 keep_inverse: bool = False):
+                 keep_inverse: bool = False, use_l2: bool = False):
+        """``use_l2``: the first call's; its backward's kernels are compiled ahead for it (a key's later
+        calls may differ: then theirs compile at their backward's first call)."""
         num_seqs, hv, dk, dv = problem.num_seqs, problem.num_v_heads, problem.head_k, problem.head_v
         varlen = index_dtype is not None
         self.problem, self.dtype, self.gate_dtype, self.dev = problem, dtype, gate_dtype, dev
@@ -274,7 +276,7 @@ class DefaultForward:
         if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
             from .backward import compile_ahead
 
-            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=not self.state_q_norms)
+            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=self.keeps_a_g(use_l2))
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,
@@ -304,6 +306,12 @@ class DefaultForward:
                     self.workspace = ws
         return ws
 
+    def keeps_a_g(self, use_l2: bool) -> bool:
+        """Whether a ``keep_inverse`` call hands the backward A_g and the factors besides A_r: not where
+        the state kernel forms q's inverse norms (the fused L2 norm without groups), since prepare_wu
+        then leaves them out of the factors and the backward's prepare_wu writes them."""
+        return not (use_l2 and self.state_q_norms)
+
     def __call__(self, q, k, v, g, beta, initial_state, output_final_state: bool, use_l2: bool, cu_seqlens,
                  state_v_first: bool):
         """``(o, final_state, extras)`` as ``hopper_forward`` returns them (``extras`` empty unless
@@ -315,10 +323,9 @@ class DefaultForward:
         prep, kept = ws.prep, {}
         if self.keep_inverse:
             # The backward's: A_r, and A_g with gamma and the inverse norms (``kept_for_backward``),
-            # written here into buffers of this call's own instead of the kept workspace's. Not A_g
-            # where the state kernel forms q's inverse norms (then the backward's prepare_wu writes them).
+            # written here into buffers of this call's own instead of the kept workspace's (``keeps_a_g``).
             num_chunks, write_bound = plan.chunk_bounds.shape[0], self.outputs[4]
-            if use_l2 and self.state_q_norms:
+            if not self.keeps_a_g(use_l2):
                 a_r = torch.empty(num_chunks, p.num_v_heads, CHUNK, CHUNK, dtype=torch.float16, device=self.dev)
                 prep, kept = prep._replace(a_r=a_r), {"a_r": a_r}
             else:

@@ -331,3 +331,22 @@ def test_a_training_forward_starts_its_backwards_kernels(recorder, monkeypatch, 
     forward.release_workspaces()
     forward.hopper_forward(q, k, v, g, beta, problem, h0, False, False, cu, False, for_backward=True)
     assert len(started) == 1
+
+
+@pytest.mark.parametrize("use_l2", [False, True])
+def test_the_backward_compiled_ahead_follows_what_the_forward_hands_over(recorder, monkeypatch, use_l2):
+    """Without grouped heads whether the training forward hands over A_g depends on the fused L2 norm
+    (``DefaultForward.keeps_a_g``), and so does the backward's configuration: the one compiled ahead
+    at the forward's first call is the one the backward then builds, with and without the norm."""
+    from flash_gdn.hopper import backward, forward
+
+    started = []
+    monkeypatch.setattr(backward, "start_ahead", lambda builders, key: started.append((key, len(builders))))
+    monkeypatch.delenv("FLASH_GDN_COMPILE_AHEAD", raising=False)
+    forward.release_workspaces()
+    backward.release_configs()
+    q, k, v, g, beta, cu, problem = _inputs([256] * 4, 40, 40)
+    _, _, extras = forward.hopper_forward(q, k, v, g, beta, problem, None, False, use_l2, cu, False, for_backward=True)
+    backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, use_l2, cu, extras)
+    (config,) = backward._CONFIGS.values()
+    assert started == [(config.build_key, len(config.builders))]
