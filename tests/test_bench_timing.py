@@ -24,3 +24,35 @@ def test_eager_time_is_the_per_call_slope_without_a_runs_fixed_cost():
 
     assert abs(eager_time_ms(call, 48, sync=sync, clock=clock) - 2.0) < 1e-9
     assert abs(eager_time_ms(call, 8, sync=sync, clock=clock) - (2.0 + 5.0 / 8)) < 1e-9  # short: the plain mean
+
+
+def test_kernel_timing_detaches_cupti_after_its_profiler_session(monkeypatch):
+    # Left attached (Kineto's default), CUPTI slows every launch after the session: the bench's
+    # eager times, taken after one, would carry it. A caller's own setting is kept.
+    import os
+
+    import torch
+
+    from flash_gdn.bench.timing import kernel_time_ms
+
+    class NoSession:  # (no GPU here: the session itself is not what is pinned)
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return []
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.profiler, "profile", NoSession)
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    assert kernel_time_ms(lambda: None, 1) == 0.0
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    kernel_time_ms(lambda: None, 1)
+    assert os.environ["TEARDOWN_CUPTI"] == "0"

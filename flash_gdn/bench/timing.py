@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -11,9 +12,17 @@ def kernel_time_ms(fn, iters: int) -> float:
     """Device time per call during which at least one kernel runs, from torch.profiler: the
     union of the kernels' intervals, so launch gaps are excluded and kernels that run
     concurrently on two streams count once (for kernels run one after another this is the
-    sum of their durations)."""
+    sum of their durations).
+
+    The session detaches CUPTI when it ends (``TEARDOWN_CUPTI=1``, read by Kineto then): left
+    attached, as Kineto leaves it by default, CUPTI's callbacks slow every later launch, and the
+    eager times measured after a session (every row's but the first) came out up to 1.5x what
+    they are without one (H200, ``scripts/eager_profiler_probe.py``: 2/8 x 1024x8 69 -> 106 us a
+    call, 2/8 x 1x4096 101 -> 143; with the teardown 74 -> 68 and 84 -> 90). A caller's own
+    setting wins."""
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
