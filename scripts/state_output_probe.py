@@ -29,6 +29,10 @@ Variants:
   product, without the masked and scaled pass over it (K Q^T stored as it is), or without both
   and P^T's store (the state warpgroups still issue V_new^T P^T, on a stale tile): whether the
   producer's own work per chunk sets the state warpgroups' pace.
+- ``roles_no_sk``, ``roles_no_sk_idle`` (s65): the state warpgroups without their S^T K^T product (V_new from a
+  stale S^T K^T fragment), alone and with ``roles_idle_producer``'s producer: what that product's place on the chain
+  from one state to the next costs a chunk, a bound on forming S_{c+1}^T K_{c+1}^T off the chain
+  (docs/performance.md s65, item 4). (Without the state update as well, ptxas serialises the products: C7514.)
 
 Rows: a list of [Hqk, Hv, sequences, length] (default: 8/32 x 8192x4, 16/64 x 8192x4,
 2/8 x 8192x16).
@@ -44,7 +48,7 @@ from kernel_probe import call_time_us, patched_module
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_output_vmajor.py")
 VARIANTS = ("full", "chain", "no_pt", "no_store", "no_tma_store", "o_double", "roles", "roles_no_pt", "roles_no_store",
-            "roles_no_kq", "roles_no_pass", "roles_idle_producer")
+            "roles_no_kq", "roles_no_pass", "roles_idle_producer", "roles_no_sk", "roles_no_sk_idle")
 ROLES_SOURCE = os.path.join(os.path.dirname(__file__), "..", "flash_gdn", "hopper", "state_output_roles.py")
 _ROLES_BODY = " " * 8  # state_warpgroup's chunk loop
 _BODY = " " * 16  # the chunk loop's body
@@ -109,10 +113,13 @@ def patched_roles_source(variant: str) -> str:
     kq = (producer + "T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)\n"
           + producer + "T.wait_wgmma(0)\n")
     pt_line = producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n"
-    if variant in ("roles_no_pt", "roles_no_kq", "roles_idle_producer"):
+    if variant in ("roles_no_pt", "roles_no_kq", "roles_idle_producer", "roles_no_sk_idle"):
         s = _replace(s, kq, "")
-    if variant in ("roles_no_pt", "roles_idle_producer"):  # (idle: the state warpgroups read a stale P^T tile)
+    if variant in ("roles_no_pt", "roles_idle_producer", "roles_no_sk_idle"):  # (idle: a stale P^T tile)
         s = _replace(s, pt_line, "")
+    if variant.startswith("roles_no_sk"):  # (V_new from whatever the S^T K^T fragment holds)
+        s = _replace(s, b + "T.wgmma_gemm(state_a, k_s[c % stages, :, :], sk_t, transpose_B=True, clear_accum=True)\n", "")
+
     if variant == "roles_no_pt":
         s = _replace(s, b + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
     if variant == "roles_no_pass":
