@@ -1,5 +1,8 @@
 """Does a torch.profiler session slow the eager calls made after it? (a probe, s64; run on a GPU host)
 
+(s65, H200: yes, ours 69 -> 106 us a call at 2/8 x 1024x8 and 101 -> 143 at 2/8 x 1x4096, and ``--teardown``
+removes it; the bench's ``timing.kernel_time_ms`` now sets ``TEARDOWN_CUPTI=1``: docs/performance.md s65.)
+
 The bench measures each row's kernel time by torch.profiler, then its eager time, so every eager
 time but the first row's is taken after a profiler session. Kineto leaves CUPTI attached when a
 session ends unless ``TEARDOWN_CUPTI=1`` (pytorch/pytorch#144455), and CUPTI's callbacks then cost

@@ -118,8 +118,8 @@ def patched_roles_source(variant: str) -> str:
     if variant in ("roles_no_pt", "roles_idle_producer", "roles_no_sk_idle"):  # (idle: a stale P^T tile)
         s = _replace(s, pt_line, "")
     if variant.startswith("roles_no_sk"):  # (V_new from whatever the S^T K^T fragment holds)
-        s = _replace(s, b + "T.wgmma_gemm(state_a, k_s[c % stages, :, :], sk_t, transpose_B=True, clear_accum=True)\n", "")
-
+        sk = "T.wgmma_gemm(state_a, k_s[c % stages, :, :], sk_t, transpose_B=True, clear_accum=True)\n"
+        s = _replace(s, b + sk, "")
     if variant == "roles_no_pt":
         s = _replace(s, b + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
     if variant == "roles_no_pass":
