@@ -19,10 +19,13 @@ def kernel_time_ms(fn, iters: int) -> float:
     eager times measured after a session (every row's but the first) came out up to 1.5x what
     they are without one (H200, ``scripts/eager_profiler_probe.py``: 2/8 x 1024x8 69 -> 106 us a
     call, 2/8 x 1x4096 101 -> 143; with the teardown 74 -> 68 and 84 -> 90). A caller's own
-    setting wins."""
+    setting wins, and below CUDA 12.6 it is left alone: there CUPTI's re-initialisation after a
+    teardown can crash once CUDA graphs have run (which the bench captures), the case in which
+    torch itself turns the teardown off."""
     from torch.profiler import ProfilerActivity, profile
 
-    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    if cupti_teardown_safe():
+        os.environ.setdefault("TEARDOWN_CUPTI", "1")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
@@ -34,6 +37,14 @@ def kernel_time_ms(fn, iters: int) -> float:
             duration = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
             intervals.append((evt.time_range.start, evt.time_range.start + duration))
     return busy_time_us(intervals) / iters / 1000.0
+
+
+def cupti_teardown_safe() -> bool:
+    """Whether this torch's CUDA lets CUPTI be re-initialised after a teardown with CUDA graphs
+    about (12.6 and later: torch's own rule in ``torch.profiler``)."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.version.cuda or "0.0") >= "12.6"
 
 
 def busy_time_us(intervals: list[tuple[float, float]]) -> float:
