@@ -5,7 +5,6 @@ TileLang reads a kernel's source from its file, so a patched copy is written to 
 own and imported from there; its relative imports become imports of ``flash_gdn.hopper``.
 """
 
-import hashlib
 import importlib.util
 import os
 import tempfile
@@ -15,10 +14,8 @@ _WORKDIR = tempfile.mkdtemp(prefix="flash_gdn_kernel_probe_")
 
 def patched_module(source: str, name: str):
     """The module of kernel source ``source`` (a patched copy of a ``flash_gdn/hopper`` module),
-    imported under ``name`` (one per variant) and a digest of ``source``: the kernel index keys a
-    factory by its module's name, not by its source (that digest covers the package's own files
-    only), so a name reused for other source on a warm cache would load the other kernel."""
-    name = f"{name}_{hashlib.sha256(source.encode()).hexdigest()[:12]}"
+    imported under ``name`` (one per variant). (The kernel index names its factories by this file's
+    contents as well: ``kernel_index.factory_source_digest``.)"""
     path = os.path.join(_WORKDIR, f"{name}.py")
     with open(path, "w") as f:
         f.write(source.replace("from .", "from flash_gdn.hopper."))

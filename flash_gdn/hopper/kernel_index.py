@@ -8,7 +8,8 @@ traced every kernel again to find what they wrote (s49: ~1-3 s of the first call
 host).
 
 This index keeps, per (factory, arguments, compile flags, resolved target and execution
-backend, pass configurations, TileLang version, this package's sources), TileLang's key of the
+backend, pass configurations, TileLang version, this package's sources; for a factory defined
+outside the package, its own file's), TileLang's key of the
 kernel it built and the traced function as TVM JSON. A later process loads the kernel from
 TileLang's cache entry with that function (TileLang's own load: its integrity checks, its
 adapter), a few tens of milliseconds, with no tracing. Every entry is written by the ordinary
@@ -49,6 +50,28 @@ def sources_digest() -> str:
                         digest.update(os.path.relpath(path, _PACKAGE).encode() + b"\0" + f.read())
         _sources_digest = digest.hexdigest()
     return _sources_digest
+
+
+_OUTSIDE_DIGESTS: dict[str, tuple[float, str]] = {}  # source file -> (mtime, sha256) of factories outside the package
+
+
+def factory_source_digest(factory) -> str:
+    """What besides ``sources_digest`` names ``factory``'s source: "" for a factory of this package
+    (``sources_digest`` covers it), else a digest of the file that defines it (the kernel probes load
+    patched copies of a module from files of their own, and a name reused there for other source
+    must not load the other kernel). Cached by the file's modification time."""
+    path = os.path.abspath(factory.__code__.co_filename)
+    if path.startswith(_PACKAGE + os.sep):
+        return ""
+    try:
+        mtime = os.path.getmtime(path)
+        cached = _OUTSIDE_DIGESTS.get(path)
+        if cached is None or cached[0] != mtime:
+            with open(path, "rb") as f:
+                cached = _OUTSIDE_DIGESTS[path] = (mtime, hashlib.sha256(f.read()).hexdigest())
+        return cached[1]
+    except OSError:  # (no file to read: a factory made at run time, never indexed apart by its text)
+        return path
 
 
 def enabled() -> bool:
@@ -131,7 +154,7 @@ def entry_for(factory, args: tuple, kwargs: dict, compile_flags: list[str],
                       str(context.target), str(context.target_host), context.execution_backend.name,
                       sorted((str(k), str(v)) for k, v in pass_configs.items()), tilelang.__version__,
                       sorted(cache._get_base_key().items()),  # (what TileLang's keys hold besides: its library stamp)
-                      sources_digest()))
+                      sources_digest(), factory_source_digest(factory)))
         name = hashlib.sha256(ident.encode()).hexdigest()[:40]
         path = os.path.join(str(env.TILELANG_CACHE_DIR), "flash_gdn-index", sources_digest()[:16], name + ".json.gz")
         return IndexEntry(path, cache, context, pass_configs, list(compile_flags))

@@ -35,6 +35,33 @@ def test_entries_are_named_by_arguments_and_sources(monkeypatch):
     assert _entry((1, 2)).path != a.path  # other sources: another entry, never the old kernel
 
 
+def test_factories_outside_the_package_are_named_by_their_source(tmp_path):
+    """A factory defined outside the package (a kernel probe's patched module) is keyed by its own
+    file's contents too: two files of one module name and other source are two entries (s65: a
+    probe reusing a name loaded the other variant's kernel from a warm cache)."""
+    import importlib.util
+
+    from tilelang import tvm
+
+    from flash_gdn.hopper import kernel_index
+
+    def load(folder, body):
+        folder.mkdir()
+        path = folder / "probe_module.py"
+        path.write_text(f"def factory(*args):\n    return {body}\n")
+        spec = importlib.util.spec_from_file_location("probe_module", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.factory
+
+    one, other = load(tmp_path / "a", "args"), load(tmp_path / "b", "args[::-1]")
+    with tvm.target.Target(SM90):
+        a, b = (kernel_index.entry_for(f, (1, 2), {}, ["-ftz=true"]) for f in (one, other))
+        again = kernel_index.entry_for(load(tmp_path / "c", "args"), (1, 2), {}, ["-ftz=true"])
+    assert a.path != b.path and again.path == a.path
+    assert kernel_index.factory_source_digest(kernel_index.entry_for) == ""  # (the package's: sources_digest)
+
+
 def test_entries_are_named_by_pass_options():
     """A kernel built under TileLang pass options (``launch.jit(pass_configs=...)``, e.g. qk_grads without the
     sync pass) is another entry than the same factory and arguments built without them, and loads with them."""
