@@ -146,19 +146,23 @@ def test_backward_column_split_narrows_only_where_sms_idle(monkeypatch):
     assert backward.state_block_v(128, 1, 16, dev) == 32  # 8/16 x 1 sequence: 64
     assert backward.state_block_v(128, 2, 8, dev) == 32  # 4/8 x 2 sequences
     assert backward.state_block_v(128, 1, 32, dev) == 64  # 16/32 x 1 sequence
-    assert backward.state_block_v(128, 4, 16, dev) == 64  # 8/16 x 4 sequences
+    assert backward.state_block_v(128, 4, 8, dev) == 64  # 4/8 x 4 sequences: both passes fit a wave at 64
     assert backward.state_block_v(128, 132, 1, dev) == 128  # runs x heads fill the SMs
     assert backward.state_block_v(128, 9, 16, dev) == 128
     assert backward.state_block_v(64, 1, 4, dev) == 64  # V = 64: whole
     # b22: where half-V CTAs of one pass would need more than a wave, all of V
     assert backward.state_block_v(128, 4, 32, dev) == 128  # 16/32 x 2048x4: 128 runs x heads
     assert backward.state_block_v(128, 8, 16, dev) == 128  # 8/16 x 1024x8
-    assert backward.state_block_v(128, 2, 32, dev) == 64  # 16/32 x 8192x2: 64 fit one wave
+    # s66: where 64-column CTAs of both passes exceed a wave but all-of-V ones fit, all of V
+    assert backward.state_block_v(128, 2, 32, dev) == 128  # 16/32 x 8192x2: 64 runs x heads
+    assert backward.state_block_v(128, 4, 16, dev) == 128  # 8/16 x 4 sequences
+    assert backward.state_block_v(128, 8, 8, dev, run_chunks=16) == 128  # 4/8 x 1024x8 (not 32: short)
+    assert backward.state_block_v(128, 33, 1, dev) == 64  # 4 x 33 = 132 CTAs: one wave at 64
+    assert backward.state_block_v(128, 34, 1, dev) == 128
     # ... and short runs take 32 columns where one pass alone fits a wave
     assert backward.state_block_v(128, 8, 4, dev, run_chunks=16) == 32  # 2/4 x 1024x8
     assert backward.state_block_v(128, 1, 32, dev, run_chunks=32) == 32  # 16/32 x 1x2048
     assert backward.state_block_v(128, 1, 32, dev, run_chunks=64) == 64  # 16/32 x 1x4096
-    assert backward.state_block_v(128, 8, 8, dev, run_chunks=16) == 64  # 4/8 x 1024x8: 256 CTAs
 
 
 def test_backward_segments_keep_half_v_columns(monkeypatch):
