@@ -156,7 +156,7 @@ def test_backward_column_split_narrows_only_where_sms_idle(monkeypatch):
     # s66: where 64-column CTAs of both passes exceed a wave but all-of-V ones fit, all of V
     assert backward.state_block_v(128, 2, 32, dev) == 128  # 16/32 x 8192x2: 64 runs x heads
     assert backward.state_block_v(128, 4, 16, dev) == 128  # 8/16 x 4 sequences
-    assert backward.state_block_v(128, 8, 8, dev, run_chunks=16) == 128  # 4/8 x 1024x8 (not 32: short)
+    assert backward.state_block_v(128, 8, 8, dev, run_chunks=16) == 128  # 4/8 x 1024x8: short runs, 64 runs x heads
     assert backward.state_block_v(128, 33, 1, dev) == 64  # 4 x 33 = 132 CTAs: one wave at 64
     assert backward.state_block_v(128, 34, 1, dev) == 128
     # ... and short runs take 32 columns where one pass alone fits a wave
