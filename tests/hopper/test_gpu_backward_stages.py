@@ -422,12 +422,15 @@ def test_saved_chunk_states_match_recomputed(monkeypatch, seg_chunks):
         grads[save] = {name: x.grad for name, x in leaves.items()}
     for name, tol in dict(q=1e-2, k=1e-2, v=1e-2, g=2e-2, beta=2e-2, h0=1e-2).items():
         # The saved states come from the forward's state_output, the recomputed ones from
-        # chunk_states: equal up to bf16 rounding of h (3e-3 measured on dq, H100). dg and
-        # dbeta sum that rounding over whole sequences: 2.6-3.5e-3 over eight seeds, 6.0e-3
-        # once (H200), so half their fp64 tolerance.
-        agree = 1e-2 if name in ("g", "beta") else 5e-3
-        assert rel_err(grads[True][name], grads[False][name]) <= agree, (name, rel_err(grads[True][name], grads[False][name]))
+        # chunk_states: each path rounds on its own, so they agree to about each one's distance
+        # from fp64, which is what bounds them both. Since s66 the recomputed path here (7 runs x
+        # 8 heads) forms W S and W in its sequential passes from A_g (all of V a CTA) while the
+        # saved path reads prepare_wu's bf16 W: over ten draws (H200) dk agrees to 5.9-6.0e-3
+        # (4.6e-3 with both reading W, 64 columns), dg to 3.1-7.4e-3, dq 4.5e-3, dbeta 4.0-4.4e-3,
+        # with every path at 5.0-5.1e-3 (dk) from fp64 (scripts/saved_states_agreement.py).
+        assert rel_err(grads[True][name], grads[False][name]) <= tol, (name, rel_err(grads[True][name], grads[False][name]))
         assert rel_err(grads[True][name], ref[name]) <= tol, name
+        assert rel_err(grads[False][name], ref[name]) <= tol, name
 
 
 @pytest.mark.parametrize("save", [False, True])
