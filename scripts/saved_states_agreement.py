@@ -28,17 +28,21 @@ def grads_of(q, k, v, g, beta, h0, cu, do, dht, save, block):
     return {n: x.grad for n, x in leaves.items()}
 
 
-names = ("q", "k", "g", "beta")
-rows = []
-for draw in range(int(sys.argv[1])):
-    q, k, v, g, beta, h0, cu = _backward_inputs(LENGTHS, 2, 8, True)
-    ref, do, dht = _naive_grads(q, k, v, g, beta, h0, cu, True, False)
-    saved = grads_of(q, k, v, g, beta, h0, cu, do, dht, True, None)
-    rec = grads_of(q, k, v, g, beta, h0, cu, do, dht, False, None)
-    rec64 = grads_of(q, k, v, g, beta, h0, cu, do, dht, False, 64)
-    line = []
-    for n in names:
-        line.append(f"{n}: agree rule {rel_err(saved[n], rec[n]):.1e} 64 {rel_err(saved[n], rec64[n]):.1e} | "
-                    f"fp64 saved {rel_err(saved[n], ref[n]):.1e} rule {rel_err(rec[n], ref[n]):.1e} 64 {rel_err(rec64[n], ref[n]):.1e}")
-    print(f"draw {draw}: " + "\n         ".join(line), flush=True)
-backward.state_block_v = rule
+def main(draws: int) -> None:
+    try:
+        for draw in range(draws):
+            q, k, v, g, beta, h0, cu = _backward_inputs(LENGTHS, 2, 8, True)
+            ref, do, dht = _naive_grads(q, k, v, g, beta, h0, cu, True, False)
+            saved = grads_of(q, k, v, g, beta, h0, cu, do, dht, True, None)
+            rec = grads_of(q, k, v, g, beta, h0, cu, do, dht, False, None)
+            rec64 = grads_of(q, k, v, g, beta, h0, cu, do, dht, False, 64)
+            lines = [f"{n}: agree rule {rel_err(saved[n], rec[n]):.1e} 64 {rel_err(saved[n], rec64[n]):.1e} | "
+                     f"fp64 saved {rel_err(saved[n], ref[n]):.1e} rule {rel_err(rec[n], ref[n]):.1e} "
+                     f"64 {rel_err(rec64[n], ref[n]):.1e}" for n in ("q", "k", "g", "beta")]
+            print(f"draw {draw}: " + "\n         ".join(lines), flush=True)
+    finally:
+        backward.state_block_v = rule
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
