@@ -340,6 +340,26 @@ def test_ptxas_keeps_wgmma_asynchronous(name, tmp_path):
             assert "0 bytes spill stores" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith((ROLES_KERNEL, GRADS_ROLES_KERNEL, "forward_fused"))))
+def test_setmaxnreg_moves_each_role_the_way_its_count_lies(name):
+    """A role's ``setmaxnreg`` raises its registers (``warpgroup_reg_alloc``) only to a count above
+    the launch count and lowers them (``warpgroup_reg_dealloc``) only to one below it: a decrease to
+    a count above the current one is an illegal instruction on the GPU (s68: a producer set to 224
+    of 168 by ``dealloc``). The launch count is the most 65536 registers give each of the
+    ``__launch_bounds__`` threads (in steps of 8), the count ``test_ptxas_keeps_wgmma_asynchronous``
+    pins where it assembles."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    threads = int(re.search(r"__launch_bounds__\((\d+)", source).group(1))
+    launch = min(255, 65536 // threads) // 8 * 8
+    raised = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", source)]
+    lowered = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", source)]
+    assert raised or lowered, f"{name}: no setmaxnreg"
+    assert all(n > launch for n in raised) and all(n < launch for n in lowered), (name, launch, raised, lowered)
+
+
 def test_exponentials_flush_denormals(tmp_path):
     """Every kernel compiles with -ftz=true (``launch.COMPILE_FLAGS``): an exponential is then one
     multiply and MUFU.EX2 in the PTX's ex2.approx.ftz, without the denormal range fix-up of the
