@@ -141,17 +141,17 @@ def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.de
     narrowest block of ``STATE_BLOCKS`` with which this pass and ``chunk_states`` beside it
     (two streams) together stay within one CTA per SM, else half of V. A CTA's chunk
     step is a chain of dependent products, so a narrower block shortens it less than it
-    narrows it and pays only where SMs would otherwise idle. Two refinements (b22, measured):
-    where half-V CTAs of this pass alone would not fit in one wave (2 x runs x heads > SMs), all
-    of V; and runs of at most ``SHORT_RUN_CHUNKS`` chunks (``run_chunks``: the average, from
-    shapes) take 32 columns as long as this pass alone fits in one wave, their time being
-    mostly the fill and drain of the chain. (s66) And where 64-column CTAs of the two passes
-    would not fit one wave together (4 x runs x heads > SMs) but all-of-V ones do, all of V:
-    at 64 columns the two passes ran one after the other (the SMs held the first pass's CTAs),
+    narrows it and pays only where SMs would otherwise idle. Two refinements, measured: where
+    64-column CTAs of the two passes would not fit one wave together (4 x runs x heads > SMs),
+    all of V; and runs of at most ``SHORT_RUN_CHUNKS`` chunks (``run_chunks``: the average, from
+    shapes) take 32 columns (this pass alone then fits one wave), their time being mostly the
+    fill and drain of the chain. (b22 took all of V only where 64-column CTAs of this pass alone
+    would not fit, 2 x runs x heads > SMs; s66 widened that: at 64 columns the two passes ran
+    one after the other, the SMs holding the first pass's CTAs,
     at 128 side by side (H200, backward kernel time, ms, 128 / 64 columns: 16/32 x 16384x2
     2.264 / 2.354, 16/32 x 4096x2 0.589 / 0.613, 8/16 x 8192x4 1.153 / 1.178, 8/16 x 2048x4
     0.310 / 0.326, 4/8 x 4096x8 0.591 / 0.622, 4/8 x 1024x8 0.172 / 0.180; b22 had measured
-    8/16 x 8192x4 the other way, 1.735 / 1.694, before W was formed in the passes at all of V).
+    8/16 x 8192x4 the other way, 1.735 / 1.694, before W was formed in the passes at all of V).)
     Measured (H200, backward kernel time, CP off, ms, blocks of 64 / 32 / 16 columns): 8/16 x
     1x32768 2.168 / 1.890 / 2.178, 8/16 x 1x8192 0.581 / 0.516 / 0.573, 4/8 x 1x32768 1.606 /
     1.297 / 1.153, 16/32 x 1x8192 0.887 / 0.932 / 1.112, 4/8 x 8192x4 0.896 / 0.940 (128:
@@ -162,15 +162,13 @@ def state_block_v(head_v: int, num_runs: int, num_v_heads: int, device: torch.de
         return head_v
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms, ctas = num_sms(index), num_runs * num_v_heads
-    if 2 * ctas > sms:
-        return head_v
     for block in STATE_BLOCKS[:-1]:
         if 2 * ctas * (head_v // block) <= sms:
             return block
     if 2 * ctas * (head_v // STATE_BLOCKS[-1]) > sms:
         return head_v  # (s66: the two passes side by side in one wave)
-    if run_chunks is not None and run_chunks <= SHORT_RUN_CHUNKS and ctas * (head_v // 32) <= sms:
-        return 32
+    if run_chunks is not None and run_chunks <= SHORT_RUN_CHUNKS:
+        return 32  # (this pass alone fits a wave at 32 columns: 4 x runs x heads <= SMs here)
     return STATE_BLOCKS[-1]
 
 

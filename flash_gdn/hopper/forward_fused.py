@@ -43,7 +43,7 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 from .mma_inverse import INVERSE64_PRELUDE, L_STRIDE, XH_STRIDE, invert_staged, stage_lower
-from .tiles import ACCUM, CHUNK, HALF, ROWS, inverse_row_norms, pair_decay, store_chunk_rows
+from .tiles import ACCUM, CHUNK, HALF, ROWS, inverse_row_norms, pair_decay, set_role_registers, store_chunk_rows
 
 IN_STAGES = 3  # q, k, v tiles: the auxiliary warpgroup refills a stage a chunk after the state warpgroups free it
 AUX_STAGES = 2  # A_g, P^T and the factors
@@ -175,7 +175,7 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
             # One if/else over the roles: the storage-sync pass sees them as exclusive (separate
             # T.ws blocks read as sequential, and it put a whole-CTA barrier between them: a deadlock).
             if tx >= AUX_THREAD0:  # auxiliary
-                T.set_max_nreg(AUX_REGS, int(AUX_REGS > THREAD_REGS))
+                set_role_registers(AUX_REGS, THREAD_REGS)
                 # One accumulator for every product in turn (Q Q^T, K K^T, K Q^T, the merges):
                 # each is consumed before the next starts, and registers are this role's limit.
                 acc = T.alloc_fragment((CHUNK, CHUNK), ACCUM)
@@ -237,7 +237,7 @@ def _forward_fused_kernel(head_k, head_v, dtype, gate_dtype, has_initial):
                         load_chunk(q, k, v, q_s, k_s, v_s, in_full, c - 1 + IN_STAGES, seq_start, qk_head, head)
 
             else:  # state
-                T.set_max_nreg(STATE_REGS, int(STATE_REGS > THREAD_REGS))
+                set_role_registers(STATE_REGS, THREAD_REGS)
                 state_t = T.alloc_fragment((head_v, head_k), ACCUM)  # S^T
                 state_a = T.alloc_fragment((head_v, head_k), dtype)
                 sk_t = T.alloc_fragment((head_v, CHUNK), ACCUM)  # S^T K^T

@@ -50,7 +50,7 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 from .segment_state import WINDOW_CHUNKS, leading_window
-from .tiles import ACCUM, CHUNK, load_chunk_rows, store_chunk_rows
+from .tiles import ACCUM, CHUNK, load_chunk_rows, set_role_registers, store_chunk_rows
 
 WG_COLS = 64  # columns of dS per state warpgroup
 LOG2E = 1.4426950408889634
@@ -376,32 +376,32 @@ def _state_grads_roles_kernel(head_k, head_v, dtype, has_dht, block_v, window, s
             # One if/else chain over the roles (the storage-sync pass sees them as exclusive).
             if num_wg > 1:
                 if tx >= producer0:
-                    T.set_max_nreg(producer_regs, int(producer_regs > launch_regs))
+                    set_role_registers(producer_regs, launch_regs)
                     producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full,
                              empty, scale, seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v,
                              stages, True, form_w, ag_s, ag_ready, head_k, dtype)
                 elif tx >= 128:
-                    T.set_max_nreg(state_regs, int(state_regs > launch_regs))
+                    set_role_registers(state_regs, launch_regs)
                     state_warpgroup(1, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_s, fac, mt_s, ds_s1,
                                     ndo_s1, dvn_s1, full, empty, dht, dh, dv_new, dh0, seq, head, seq_start, seq_end,
                                     first_chunk, num_chunks, v0)
                 else:
-                    T.set_max_nreg(state_regs, int(state_regs > launch_regs))
+                    set_role_registers(state_regs, launch_regs)
                     state_warpgroup(0, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_s, fac, mt_s, ds_s0,
                                     ndo_s0, dvn_s0, full, empty, dht, dh, dv_new, dh0, seq, head, seq_start, seq_end,
                                     first_chunk, num_chunks, v0)
             else:
                 if tx >= loader0:
-                    T.set_max_nreg(loader_regs, int(loader_regs > launch_regs))
+                    set_role_registers(loader_regs, launch_regs)
                     loader(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, loaded, empty,
                            seq_start, first_chunk, num_chunks, head, qk_head, v0, block_v, stages)
                 elif tx >= producer0:
-                    T.set_max_nreg(producer_regs, int(producer_regs > launch_regs))
+                    set_role_registers(producer_regs, launch_regs)
                     producer(q, k, w, do, gamma, q_norm_inv, k_norm_inv, q_s, k_s, w_s, do_s, fac, mt_s, loaded, full,
                              empty, scale, seq_start, seq_end, first_chunk, num_chunks, head, qk_head, v0, block_v,
                              stages, False)
                 else:
-                    T.set_max_nreg(state_regs, int(state_regs > launch_regs))
+                    set_role_registers(state_regs, launch_regs)
                     state_warpgroup(0, head_k, cols, dtype, stages, has_dht, q_s, k_s, w_s, do_s, fac, mt_s, ds_s0,
                                     ndo_s0, dvn_s0, full, empty, dht, dh, dv_new, dh0, seq, head, seq_start, seq_end,
                                     first_chunk, num_chunks, v0)

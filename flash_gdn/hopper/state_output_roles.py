@@ -38,7 +38,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .launch import Launcher, jit
-from .tiles import ACCUM, CHUNK, load_chunk_rows, store_chunk_rows
+from .tiles import ACCUM, CHUNK, load_chunk_rows, set_role_registers, store_chunk_rows
 
 THREADS = 384
 PRODUCER_THREAD0 = 256  # warpgroup 2
@@ -345,7 +345,7 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
 
             # One if/else chain over the roles (the storage-sync pass sees them as exclusive).
             if tx >= PRODUCER_THREAD0:
-                T.set_max_nreg(PRODUCER_REGS, 0)
+                set_role_registers(PRODUCER_REGS, THREAD_REGS)
                 pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then P^T
                 # Chunk c's loads go out before chunk c - 1's P^T is formed (the loop below issues
                 # c + 1's first), so their latency is not on the producer's path: it waited for each
@@ -371,11 +371,11 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
                     T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
                     T.barrier_arrive(full[c % stages])
             elif tx >= 128:
-                T.set_max_nreg(STATE_REGS, 1)
+                set_role_registers(STATE_REGS, THREAD_REGS)
                 state_warpgroup(1, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
                                 empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
             else:
-                T.set_max_nreg(STATE_REGS, 1)
+                set_role_registers(STATE_REGS, THREAD_REGS)
                 state_warpgroup(0, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
                                 empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
 

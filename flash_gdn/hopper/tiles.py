@@ -47,6 +47,14 @@ def inverse_row_norms(gram, dst, normalize):
             dst[i] = T.cast(1, ACCUM)
 
 
+@T.macro
+def set_role_registers(count, launch_count):
+    """A warpgroup role's registers a thread, from the launch count to ``count`` (setmaxnreg): an
+    increase where ``count`` is above it, else a decrease. A decrease to a count above the current
+    one is an illegal instruction on the GPU (s68)."""
+    T.set_max_nreg(count, int(count > launch_count))
+
+
 def kernel_gate_dtype(g: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """g and beta share one kernel dtype: the input dtype if both have it, else fp32."""
     return dtype if (g.dtype == dtype and beta.dtype == dtype) else torch.float32
