@@ -49,6 +49,8 @@ LONG_SEQUENCE_CHUNKS = 128
 # WAVE_MIN_SEGMENT_CHUNKS chunks, their length chosen on the device (planning.wave_segment_chunks).
 WAVE_MAX_SEQS = 2
 WAVE_MIN_SEGMENT_CHUNKS = 32
+# Lead-in segments (``_lead_in_rule``): at least this many chunks a segment.
+LEAD_IN_MIN_SEGMENT_CHUNKS = 8
 # More sequences than WAVE_MAX_SEQS (modelled as equal, each the capacity's share of chunks: the
 # host has no lengths for a varlen call): CP only where the wave model's steps fall to MANY_SEQS_CUT_STEPS of the
 # uncut pass's or below, a margin for the CP pipeline's own cost (its transition and scan launches,
@@ -62,15 +64,21 @@ MAX_SEGMENT_SLOTS = 65535
 
 
 class SegmentRule(NamedTuple):
-    """How the forward cuts sequences into segments (``planning.plan_for``'s arguments)."""
+    """How the forward cuts sequences into segments (the first three: ``planning.plan_for``'s
+    arguments) and how a segment finds its start state."""
 
     seg_chunks: int  # chunks a segment, at least
     seg_target: int  # at most this many segments (balanced), or with wave_ctas the SMs
     wave_ctas: int  # 0: balanced; else CTAs a segment in the wave model
+    lead_in: bool = False  # True: each segment's CTA runs the chunks before it (no transitions, no scan)
+
+    @property
+    def plan(self) -> tuple:
+        return self[:3]
 
 
 def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device,
-                     varlen: bool = False) -> SegmentRule | None:
+                     varlen: bool = False, lead_in: bool = True) -> SegmentRule | None:
     """The forward's context parallelism: None (off), segments of ``segment_chunks_for`` balanced
     to one wave of the output pass, or - for one or two sequences in the two-segment band
     (where ``segment_chunks_for`` turns CP on) or below it (``_cut_may_pay``) - segments of the
@@ -81,9 +89,33 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
     1.018 -> 0.882 ms with 64-chunk segments, 384 CTAs, against two segments; H200,
     docs/performance.md v20.)"""
     rule = _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen)
+    lead_in_env = env_get("FLASH_GDN_CP_LEAD_IN", "")
+    if rule is None and lead_in and lead_in_env != "0" and not _overridden():
+        rule = _lead_in_rule(num_seqs, num_v_heads, max_chunks, device)
+    elif rule is not None and lead_in and lead_in_env == "1":
+        rule = rule._replace(lead_in=True)  # (forced: to compare the two on the pipeline's rows)
+    if rule is not None and rule.lead_in and not lead_in:
+        rule = None
     if rule is not None and segment_capacity(max_chunks, num_seqs, rule.seg_chunks) > MAX_SEGMENT_SLOTS:
         return None  # (only where the environment forces short segments over very many chunks)
     return rule
+
+
+def _lead_in_rule(num_seqs: int, num_v_heads: int, max_chunks: int, device: torch.device) -> SegmentRule | None:
+    """Lead-in segments where the rules above leave CP off although sequences x value heads fill at
+    most half the SMs (s69): sequences averaging LEAD_IN_MIN_SEGMENT_CHUNKS x 2 chunks or more are cut,
+    balanced on the device into at most SMs // Hv segments (one wave of the output pass), and each
+    segment's CTA finds its start state itself by running the chunks before it
+    (``state_output_roles``' ``lead_in``): where gates decay, the last one or few of them from zero
+    (the transitions' truncation: a window of at most ``segment_state.WINDOW_CHUNKS``), else the whole
+    of the sequence before it from the initial state - exact, and never longer than the uncut pass
+    this replaces. No transition or scan kernel runs. H200 (s69, forward kernel time, the pipeline's
+    CP with 16-chunk segments against none): 4/16 x 2048x4 74.6 / 88.2 us, 16/64 x 1x2048 76.5 /
+    89.1, 16/16 x 2048x4 82.2 / 91.2, of which the transitions and the scan take 14-15 us."""
+    target_segments = sm_count(device) // num_v_heads
+    if target_segments < TWO_SEGMENTS * num_seqs or max_chunks < TWO_SEGMENTS * LEAD_IN_MIN_SEGMENT_CHUNKS * num_seqs:
+        return None
+    return SegmentRule(LEAD_IN_MIN_SEGMENT_CHUNKS, target_segments, 0, True)
 
 
 def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentRule | None:

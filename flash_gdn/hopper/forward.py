@@ -79,11 +79,14 @@ _KERNELS: dict[tuple, ForwardKernels] = {}
 
 
 def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                    fused=False, keep_inverse=False, roles=False) -> ForwardKernels:
+                    fused=False, keep_inverse=False, roles=False, lead_in=False) -> ForwardKernels:
     """The configuration's kernels, compiled together at its first call (``prebuild``).
     ``keep_inverse``: the default forward also writes A_r for the backward. ``roles``: the
-    output kernel is ``state_output_roles`` (``use_state_roles``)."""
-    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused, keep_inverse, roles)
+    output kernel is ``state_output_roles`` (``use_state_roles``). ``lead_in`` (with ``cp`` and
+    ``roles``): CP by lead-in segments (``context_parallel.SegmentRule.lead_in``): no transitions,
+    no scan."""
+    key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused, keep_inverse, roles,
+           lead_in)
     kernels = _KERNELS.get(key)
     if kernels is None:
         build_together(("forward", *key), lambda: forward_builders(*key))
@@ -93,19 +96,22 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                     fused=False, keep_inverse=False, roles=False) -> ForwardKernels:
+                     fused=False, keep_inverse=False, roles=False, lead_in=False) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     if fused:
         return ForwardKernels(None, None, None, lambda: build_forward_fused(dk, dv, tl_dtype, gate_dtype, has_h0))
     # With CP every segment starts from a state (the scan's), read from and written back to the
     # segment states in place (an empty segment, e.g. the plan's unused capacity, does neither).
-    output_h0 = has_h0 or cp
+    # (Lead-in segments start from h0 or from zero, and write the sequences' final states.)
+    segment_states = cp and not lead_in
+    output_h0 = has_h0 or segment_states
     if save_states:  # writes h and V_new too; a block of all of V (two consumer warpgroups per
         # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
         # 6.1 vs 6.9 us per chunk, H200)
         output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv, in_place=cp)  # noqa: E731
     elif roles:  # the same products, explicit warpgroup roles (never split; in place with CP)
-        output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0, in_place=cp)  # noqa: E731
+        output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0, in_place=segment_states,  # noqa: E731
+                                                  lead_in=lead_in)
     else:  # the state as a register operand; W S formed from K and A_g (W is not written)
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, True, split_v=split,  # noqa: E731
                                                    in_place=cp)
@@ -114,8 +120,8 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp, keep_inverse)),
         # The default forward's transitions form U and W S from V, K and A_g, and are truncated
         # where gates decay (segment_state); the saved-state forward's read U and W, exact.
-        (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default)) if cp else None,
-        (lambda: build_segment_scan(dk, dv, has_h0, truncated=not save_states)) if cp else None,
+        (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default)) if segment_states else None,
+        (lambda: build_segment_scan(dk, dv, has_h0, truncated=not save_states)) if segment_states else None,
         output,
     )
 
@@ -154,10 +160,10 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     # The saved-state forward: state_output (and with CP the exact transitions) read U and W and
     # write every chunk's start state h and V_new for the backward.
     max_chunks = chunk_capacity(batch, seq_len, num_seqs, cu_seqlens is not None)
-    segments = forward_segments(num_seqs, hv, max_chunks, dev, cu_seqlens is not None)
+    segments = forward_segments(num_seqs, hv, max_chunks, dev, cu_seqlens is not None, lead_in=False)
     cp = segments is not None
     kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], gate_tl, index_tl, has_h0, cp, True, False)
-    seg_chunks, seg_target, wave_ctas = segments if cp else (None, 0, 0)
+    seg_chunks, seg_target, wave_ctas = segments.plan if cp else (None, 0, 0)
     prep = run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2, seg_chunks, SAVED_STATE_OUTPUTS,
                        kernels.prepare, seg_target, wave_ctas)
     o = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
@@ -257,11 +263,12 @@ class DefaultForward:
         varlen = index_dtype is not None
         self.problem, self.dtype, self.gate_dtype, self.dev = problem, dtype, gate_dtype, dev
         max_chunks = chunk_capacity(problem.batch, problem.seq_len, num_seqs, varlen)
-        segments = forward_segments(num_seqs, hv, max_chunks, dev, varlen)
-        self.cp = segments is not None
         roles = use_state_roles(dv)
+        segments = forward_segments(num_seqs, hv, max_chunks, dev, varlen, lead_in=roles)
+        self.cp = segments is not None
+        self.lead_in = self.cp and segments.lead_in  # (no transitions, no scan, no segment states)
         split = not roles and split_output(self.cp, num_seqs, hv, dv, dev)
-        self.rule = tuple(segments) if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
+        self.rule = segments.plan if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
         self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS  # (the workspace's: A_r is per call)
         self.keep_inverse = keep_inverse
         # Without grouped heads the roles kernel forms the fused L2 norm's inverse query norms from
@@ -280,7 +287,7 @@ class DefaultForward:
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,
-                                       roles=roles)
+                                       roles=roles, lead_in=self.lead_in)
         self.keep = keep
         self.workspace: _Workspace | None = None
 
@@ -288,7 +295,7 @@ class DefaultForward:
         p, dev = self.problem, self.dev
         hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
         prep = prepare_buffers(p, plan.chunk_bounds.shape[0], self.dtype, dev, self.outputs)
-        if self.cp:
+        if self.cp and not self.lead_in:
             # [h | M] per segment and head, then the int32 flags saying whether M is zero (one
             # allocation); the segment states: each segment's start state in, end state out.
             capacity = plan.segments.seg_info.shape[0]
@@ -344,6 +351,11 @@ class DefaultForward:
         if not self.cp:
             final_state = (torch.empty_like(ws.final_scratch) if output_final_state else ws.final_scratch)
             _output_pass(kernels, state_inputs, plan.seq_info, final_state, h0, p.scale, o, q_norms)
+        elif self.lead_in:  # the segments' CTAs find their start states themselves (s69)
+            final_state = (torch.empty_like(ws.final_scratch) if output_final_state else ws.final_scratch)
+            segs = plan.segments
+            _output_pass(kernels, state_inputs, segs.seg_info, final_state, h0, p.scale, o,
+                         (*q_norms, plan.seq_info, plan.chunk_seq, segs.seg_meta, prep.log_bound))
         else:
             segs = plan.segments
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
@@ -363,10 +375,12 @@ def _kernel_h0(initial_state, state_v_first: bool):
 
 
 def _output_pass(kernels: ForwardKernels, state_inputs: tuple, runs, final_state, h0, scale, o, extra=()) -> None:
-    """The output kernel over whole sequences (``runs``: the plan's seq_info) from ``h0``, each
-    end state into ``final_state``. Without an initial state the kernel is compiled not to
-    read one (any buffer will do). ``extra``: the output kernel's last arguments (the saved
-    chunk states h and V_new of ``state_output``; the roles kernel's ``q_norms``)."""
+    """The output kernel over whole sequences (``runs``: the plan's seq_info; with lead-in segments
+    its seg_info) from ``h0``, each end state into ``final_state``. Without an initial state the
+    kernel is compiled not to read one (any buffer will do). ``extra``: the output kernel's last
+    arguments (the saved chunk states h and V_new of ``state_output``; the roles kernel's
+    ``q_norms``, and with lead-in segments the plan's sequences, chunk map and segment map and the
+    transitions' bounds)."""
     kernels.output(*state_inputs, runs, final_state if h0 is None else h0, scale, o, final_state, *extra)
 
 
@@ -434,11 +448,11 @@ def _prepare_outputs(save_states: bool, cp: bool, keep_inverse: bool = False) ->
 
 
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False, fused=False,
-                     keep_inverse=False, roles=False):
+                     keep_inverse=False, roles=False, lead_in=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
     builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                                            fused, keep_inverse, roles)
+                                            fused, keep_inverse, roles, lead_in)
                 if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]

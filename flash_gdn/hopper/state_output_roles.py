@@ -38,6 +38,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .launch import Launcher, jit
+from .segment_state import LOG_NEGLIGIBLE, WINDOW_CHUNKS
 from .tiles import ACCUM, CHUNK, load_chunk_rows, set_role_registers, store_chunk_rows
 
 THREADS = 384
@@ -121,7 +122,7 @@ __device__ __forceinline__ void flash_gdn_store_acc_float16(const float* acc, vo
 
 @functools.lru_cache(maxsize=None)
 def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = STAGES,
-                             in_place: bool = False):
+                             in_place: bool = False, lead_in: bool = False):
     """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True,
     in_place=in_place)`` (W is not read) and one more, last: ``q_norms`` (int), 1 where the
     producer forms the fused L2 norm's inverse query norms from the q tile (``stage_q_norms``;
@@ -129,7 +130,15 @@ def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: 
     from ``q_norm_inv``; V = 128 only. ``in_place`` (context parallelism): the
     segments' start states are read from and their end states written to one buffer (each state
     thread reads exactly the elements it writes at the end), value heads on grid x and segments
-    on y, and a segment without tokens neither loads nor stores its state."""
+    on y, and a segment without tokens neither loads nor stores its state. ``lead_in`` (context
+    parallelism without transitions): CTAs over the plan's segment slots (``seg_info`` in
+    ``seq_info``'s place, value heads on grid x), each starting a few chunks before its segment
+    (``lead_in_segment``), and four more arguments, last: the plan's ``seq_info``, ``chunk_seq``,
+    ``seg_meta`` and ``prepare_wu``'s ``log_bound``; ``initial_state`` and ``final_state`` are
+    per sequence."""
+    if lead_in:
+        assert not in_place, "lead-in segments read h0 and write final states, not segment states"
+        return Launcher(_state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stages))
     return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_place))
 
 
@@ -213,9 +222,12 @@ def chunk_pt(pt, pt_s, fac, stage, dtype):
 
 @T.macro
 def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s, full, empty,
-                    initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks):
+                    initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks, lead_in=None):
     """One state warpgroup's whole sequence: S^T of its 64 rows of V in registers (bf16 copy the
-    A operand), the output of those rows through its own tile ``o_s``."""
+    A operand), the output of those rows through its own tile ``o_s``. ``lead_in``: a lead-in
+    segment's ``(lead, from_h0, write_final)``: its first ``lead`` chunks give no output, it starts
+    from the initial state only where ``from_h0`` (else from zero) and writes the final state only
+    where ``write_final``."""
     v0 = wg * WG_ROWS
     state_t = T.alloc_fragment((WG_ROWS, head_k), ACCUM)  # S^T
     state_a = T.alloc_fragment((WG_ROWS, head_k), dtype)
@@ -228,7 +240,13 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
     start = T.alloc_var("int32")
     length = T.alloc_var("int32")
     decay = T.alloc_var(ACCUM)
-    if has_initial:
+    if lead_in is not None:
+        if has_initial and lead_in[1] != 0:
+            for vr, i in T.Parallel(WG_ROWS, head_k):
+                state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
+        else:
+            T.clear(state_t)
+    elif has_initial:
         if (seq_end > seq_start) if in_place else True:  # (in place: an empty segment keeps its state)
             for vr, i in T.Parallel(WG_ROWS, head_k):
                 state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
@@ -274,11 +292,152 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
         T.sync_threads(O_BARRIER + wg, 128)
         # (o_s's write access: TileLang's sync pass then puts this warpgroup's barrier before the TMA store)
         T.call_extern("handle", f"flash_gdn_store_ot_trans_{dtype}", out_t.data, o_s.access_ptr("w"))
-        store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
+        if lead_in is not None:
+            if c >= lead_in[0]:  # (the lead-in's chunks belong to the previous segment)
+                store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
+        else:
+            store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
     T.tma_store_wait(0)
-    if (seq_end > seq_start) if in_place else True:
+    if lead_in is not None:
+        if lead_in[2] != 0:
+            for vr, i in T.Parallel(WG_ROWS, head_k):
+                final_state[seq, head, i, v0 + vr] = state_t[vr, i]
+    elif (seq_end > seq_start) if in_place else True:
         for vr, i in T.Parallel(WG_ROWS, head_k):
             final_state[seq, head, i, v0 + vr] = state_t[vr, i]
+
+
+@T.macro
+def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, initial_state,
+              scale, o, final_state, q_norms, num_v_heads, num_qk_heads, seq, head, run_info, lead_in_run):
+    """One CTA: the roles over one run, ``run_info[seq]`` (first token, one-past-last token, first
+    chunk), or with ``lead_in_run`` = ``(seq_info, chunk_seq, seg_meta, log_bound)`` over segment slot
+    ``seq`` of ``run_info`` (the plan's seg_info) with its lead-in (``lead_in_segment``)."""
+    q_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
+    k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
+    v_s = T.alloc_shared((stages, CHUNK, 2 * WG_ROWS), dtype)
+    au_s = T.alloc_shared((stages, CHUNK, CHUNK), dtype)
+    fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)
+    pt_s = T.alloc_shared((stages, CHUNK, CHUNK), dtype)  # P^T, formed by the producer
+    # Each state warpgroup's own output tile.
+    o_s0 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
+    o_s1 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
+    T.annotate_layout({o_s0: make_swizzled_layout(o_s0), o_s1: make_swizzled_layout(o_s1)})
+    # loaded: the TMA tiles (the producer's own wait); full: the tiles, the factors and P^T.
+    loaded = T.alloc_barrier([128] * stages)
+    full = T.alloc_barrier([128] * stages)
+    empty = T.alloc_barrier([2 * 128] * stages)
+
+    seq_start = T.alloc_var("int32")
+    seq_end = T.alloc_var("int32")
+    first_chunk = T.alloc_var("int32")
+    num_chunks = T.alloc_var("int32")
+    qk_head = T.alloc_var("int32")
+    seq_start = run_info[seq, 0]
+    seq_end = run_info[seq, 1]
+    first_chunk = run_info[seq, 2]
+    lead_in = None
+    if lead_in_run is not None:
+        # (lead, from_h0, write_final), and the sequence whose h0 / final state the run reads / writes
+        lead_in = T.alloc_local((3,), "int32")
+        run_seq = T.alloc_local((1,), "int32")
+        bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM)
+        lead_in_segment(*lead_in_run, head, seq, seq_start, seq_end, first_chunk, bounds, lead_in, run_seq)
+        seq_start = seq_start - lead_in[0] * CHUNK
+        first_chunk = first_chunk - lead_in[0]
+    num_chunks = T.ceildiv(seq_end - seq_start, CHUNK)
+    qk_head = head // (num_v_heads // num_qk_heads)
+    tx = T.get_thread_binding()
+    state_seq = seq
+    if lead_in_run is not None:
+        state_seq = run_seq[0]
+
+    # One if/else chain over the roles (the storage-sync pass sees them as exclusive).
+    if tx >= PRODUCER_THREAD0:
+        set_role_registers(PRODUCER_REGS, THREAD_REGS)
+        pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then P^T
+        # Chunk c's loads go out before chunk c - 1's P^T is formed (the loop below issues
+        # c + 1's first), so their latency is not on the producer's path: it waited for each
+        # chunk's tiles and factor rows before (s36: the state warpgroups then waited for the
+        # producer ~20 % of their time, ncu's stall samples). Stage (c + 1) % stages is free
+        # once the state warpgroups are done with chunk c + 1 - stages, i.e. with three stages
+        # while they work on chunk c - 1.
+        if num_chunks > 0:
+            load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded, 0,
+                       seq_start, first_chunk, head, qk_head)
+        for c in T.serial(num_chunks):
+            if c + 1 < num_chunks:
+                T.mbarrier_wait_parity(empty[(c + 1) % stages], (((c + 1) // stages) % 2) ^ 1)
+                load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded,
+                           (c + 1) % stages, seq_start + (c + 1) * CHUNK, first_chunk + c + 1, head, qk_head)
+            T.mbarrier_wait_parity(loaded[c % stages], (c // stages) % 2)
+            if q_norms != 0:  # (uniform)
+                stage_q_norms(q_s, fac, c % stages, tx - PRODUCER_THREAD0, head_k, dtype)
+            stage_factors(fac, c % stages, T.min(seq_end - seq_start - c * CHUNK, CHUNK), scale)
+            T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
+            chunk_pt(pt, pt_s, fac, c % stages, dtype)
+            T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
+            T.barrier_arrive(full[c % stages])
+    elif tx >= 128:
+        set_role_registers(STATE_REGS, THREAD_REGS)
+        state_warpgroup(1, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
+                        empty, initial_state, o, final_state, state_seq, head, seq_start, seq_end, num_chunks, lead_in)
+    else:
+        set_role_registers(STATE_REGS, THREAD_REGS)
+        state_warpgroup(0, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
+                        empty, initial_state, o, final_state, state_seq, head, seq_start, seq_end, num_chunks, lead_in)
+
+
+@T.macro
+def lead_in_segment(seq_info, chunk_seq, seg_meta, log_bound, head, slot, seg_start, seg_end, first_chunk, bounds,
+                    lead_in, run_seq):
+    """A lead-in segment's ``lead_in`` = (lead, from_h0, write_final) and ``run_seq[0]``, its
+    sequence. Its start state is the state after the sequence's earlier chunks; where the last w of
+    them shrink every state by e^LOG_NEGLIGIBLE or more (``prepare_wu``'s transition bounds, as
+    ``segment_state``'s truncation), it is the recurrence over those w chunks from zero, up to a part
+    at most e^LOG_NEGLIGIBLE times the norm of the state where they start. So the CTA runs them
+    first (lead = w, no output) where such a window of at most WINDOW_CHUNKS exists, else all of
+    the sequence's earlier chunks from its initial state (exact: no segment depends on another).
+    A slot without tokens is an empty sequence's only segment (initial state to final state) or
+    one past the plan's used slots (nothing)."""
+    lead_in[0] = 0
+    lead_in[1] = 0
+    lead_in[2] = 0
+    run_seq[0] = 0
+    num_seqs = seq_info.shape[0]
+    if seg_end > seg_start:
+        run_seq[0] = chunk_seq[first_chunk]
+        earlier = first_chunk - seq_info[run_seq[0], 2]  # chunks of the sequence before the segment
+        lead_in[2] = T.if_then_else(seg_end == seq_info[run_seq[0], 1], 1, 0)
+        for t in T.unroll(WINDOW_CHUNKS):  # (indices clamped; those before the sequence are not summed)
+            bounds[t] = log_bound[head, T.max(T.min(first_chunk - 1 - t, log_bound.shape[1] - 1), 0)]
+        bound_sum = T.alloc_var(ACCUM)
+        bound_sum = T.cast(0, ACCUM)
+        lead_in[0] = earlier
+        for t in T.unroll(WINDOW_CHUNKS):
+            if lead_in[0] == earlier and t < earlier:
+                bound_sum = bound_sum + bounds[t]
+                if bound_sum <= LOG_NEGLIGIBLE:
+                    lead_in[0] = t + 1
+        lead_in[1] = T.if_then_else(lead_in[0] == earlier, 1, 0)
+    elif slot < seg_meta[num_seqs - 1, 0] + seg_meta[num_seqs - 1, 1]:
+        # The sequence whose first segment this is: the last with first_seg <= slot (first_seg
+        # increases strictly: every sequence has a segment).
+        lo = T.alloc_var("int32")
+        hi = T.alloc_var("int32")
+        lo = 0
+        hi = num_seqs - 1
+        for _ in T.serial(32):
+            if lo < hi:
+                mid = (lo + hi + 1) // 2
+                if seg_meta[mid, 0] <= slot:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        run_seq[0] = lo
+        lead_in[1] = 1
+        lead_in[2] = 1
 
 
 @jit
@@ -314,69 +473,53 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
         q_norms: T.int32,
     ):
         with T.Kernel(*grid, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
-            seq = g1 if in_place else g0
-            head = g0 if in_place else g1
-            q_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
-            k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
-            v_s = T.alloc_shared((stages, CHUNK, head_v), dtype)
-            au_s = T.alloc_shared((stages, CHUNK, CHUNK), dtype)
-            fac = T.alloc_shared((stages, NUM_FACTORS, CHUNK), ACCUM)
-            pt_s = T.alloc_shared((stages, CHUNK, CHUNK), dtype)  # P^T, formed by the producer
-            # Each state warpgroup's own output tile.
-            o_s0 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
-            o_s1 = T.alloc_shared((CHUNK, WG_ROWS), dtype)
-            T.annotate_layout({o_s0: make_swizzled_layout(o_s0), o_s1: make_swizzled_layout(o_s1)})
-            # loaded: the TMA tiles (the producer's own wait); full: the tiles, the factors and P^T.
-            loaded = T.alloc_barrier([128] * stages)
-            full = T.alloc_barrier([128] * stages)
-            empty = T.alloc_barrier([2 * 128] * stages)
-
-            seq_start = T.alloc_var("int32")
-            seq_end = T.alloc_var("int32")
-            first_chunk = T.alloc_var("int32")
-            num_chunks = T.alloc_var("int32")
-            qk_head = T.alloc_var("int32")
-            seq_start = seq_info[seq, 0]
-            seq_end = seq_info[seq, 1]
-            first_chunk = seq_info[seq, 2]
-            num_chunks = T.ceildiv(seq_end - seq_start, CHUNK)
-            qk_head = head // (num_v_heads // num_qk_heads)
-            tx = T.get_thread_binding()
-
-            # One if/else chain over the roles (the storage-sync pass sees them as exclusive).
-            if tx >= PRODUCER_THREAD0:
-                set_role_registers(PRODUCER_REGS, THREAD_REGS)
-                pt = T.alloc_fragment((CHUNK, CHUNK), ACCUM)  # K Q^T, then P^T
-                # Chunk c's loads go out before chunk c - 1's P^T is formed (the loop below issues
-                # c + 1's first), so their latency is not on the producer's path: it waited for each
-                # chunk's tiles and factor rows before (s36: the state warpgroups then waited for the
-                # producer ~20 % of their time, ncu's stall samples). Stage (c + 1) % stages is free
-                # once the state warpgroups are done with chunk c + 1 - stages, i.e. with three stages
-                # while they work on chunk c - 1.
-                if num_chunks > 0:
-                    load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded, 0,
-                               seq_start, first_chunk, head, qk_head)
-                for c in T.serial(num_chunks):
-                    if c + 1 < num_chunks:
-                        T.mbarrier_wait_parity(empty[(c + 1) % stages], (((c + 1) // stages) % 2) ^ 1)
-                        load_chunk(q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, q_s, k_s, v_s, au_s, fac, loaded,
-                                   (c + 1) % stages, seq_start + (c + 1) * CHUNK, first_chunk + c + 1, head, qk_head)
-                    T.mbarrier_wait_parity(loaded[c % stages], (c // stages) % 2)
-                    if q_norms != 0:  # (uniform)
-                        stage_q_norms(q_s, fac, c % stages, tx - PRODUCER_THREAD0, head_k, dtype)
-                    stage_factors(fac, c % stages, T.min(seq_end - seq_start - c * CHUNK, CHUNK), scale)
-                    T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    chunk_pt(pt, pt_s, fac, c % stages, dtype)
-                    T.fence_proxy_async()  # generic stores, read next by the state warpgroups' wgmma
-                    T.barrier_arrive(full[c % stages])
-            elif tx >= 128:
-                set_role_registers(STATE_REGS, THREAD_REGS)
-                state_warpgroup(1, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
-                                empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
-            else:
-                set_role_registers(STATE_REGS, THREAD_REGS)
-                state_warpgroup(0, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
-                                empty, initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks)
+            roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
+                      initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads,
+                      g1 if in_place else g0, g0 if in_place else g1, seq_info, None)
 
     return state_output_roles
+
+
+@jit
+def _state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stages):
+    """``build_state_output_roles``' ``lead_in`` variant (a factory of its own: one prim_func a factory)."""
+    assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
+    assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_seqs = T.dynamic("num_seqs")
+    num_slots = T.dynamic("num_slots")
+    num_chunks_total = T.dynamic("chunks")  # ("num_chunks" names the CTA's own count)
+    bound_heads = T.dynamic("bound_heads")
+    bound_chunks = T.dynamic("bound_chunks")
+    w_tokens = T.dynamic("w_tokens")
+    w_heads = T.dynamic("w_heads")
+
+    @T.prim_func
+    def state_output_roles_lead_in(
+        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        w: T.Tensor((w_tokens, w_heads, head_k), dtype),
+        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        a_u: T.Tensor((num_chunks_total, num_v_heads, CHUNK, CHUNK), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
+        seg_info: T.Tensor((num_slots, 3), "int32"),
+        initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        scale: T.float32,
+        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
+        q_norms: T.int32,
+        seq_info: T.Tensor((num_seqs, 3), "int32"),
+        chunk_seq: T.Tensor((num_chunks_total,), "int32"),
+        seg_meta: T.Tensor((num_seqs, 3), "int32"),
+        log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
+    ):
+        with T.Kernel(num_v_heads, num_slots, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
+            roles_cta(head_k, dtype, stages, has_initial, False, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
+                      initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads, g1, g0, seg_info,
+                      (seq_info, chunk_seq, seg_meta, log_bound))
+
+    return state_output_roles_lead_in

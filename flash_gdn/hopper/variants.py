@@ -88,6 +88,10 @@ def kernel_builders(head_dim: int, dtype: str):
         builders += [(f"state_output_roles[{dtype},h0={h0},in_place={ip}]",
                       lambda h0=h0, ip=ip: build_state_output_roles(d, d, dtype, h0, in_place=ip))
                      for h0, ip in ((False, False), (True, False), (True, True))]
+        # lead-in segments (CP without transitions, context_parallel._lead_in_rule)
+        builders += [(f"state_output_roles[{dtype},h0={h0},lead_in=True]",
+                      lambda h0=h0: build_state_output_roles(d, d, dtype, h0, lead_in=True))
+                     for h0 in (False, True)]
     return builders
 
 

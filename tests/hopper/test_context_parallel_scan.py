@@ -80,8 +80,8 @@ def test_below_the_band_sequences_are_cut_by_the_device(monkeypatch):
     from flash_gdn.hopper import context_parallel as cp
 
     monkeypatch.setattr(cp, "num_sms", lambda index: 132)
-    monkeypatch.delenv("FLASH_GDN_CP", raising=False)
-    monkeypatch.delenv("FLASH_GDN_CP_SEGMENT_CHUNKS", raising=False)
+    for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
+        monkeypatch.delenv(name, raising=False)
     dev = torch.device("cuda", 0)
     wave = cp.SegmentRule(cp.WAVE_MIN_SEGMENT_CHUNKS, 132, 48)
     assert cp.forward_segments(2, 48, 514, dev, varlen=True) == wave  # 16/48 x 28672+4096 and the like
@@ -89,7 +89,9 @@ def test_below_the_band_sequences_are_cut_by_the_device(monkeypatch):
     # The two-segment band: the same device choice for one or two sequences, balanced for more.
     assert cp.forward_segments(2, 32, 514, dev, varlen=True) == wave._replace(wave_ctas=32)  # 8/32 x 28672+4096
     assert cp.forward_segments(1, 48, 513, dev, varlen=True) == wave  # 16/48 x 1x32768
-    assert cp.forward_segments(2, 32, 66, dev, varlen=True) is None  # 8/32 x 2048+2048: off, as segment_chunks_for
+    # 8/32 x 2048+2048: the pipeline is off (segment_chunks_for), lead-in segments on (s69)
+    assert cp.forward_segments(2, 32, 66, dev, varlen=True) == cp.SegmentRule(cp.LEAD_IN_MIN_SEGMENT_CHUNKS, 4, 0, True)
+    assert cp.forward_segments(2, 32, 66, dev, varlen=True, lead_in=False) is None
     assert cp.forward_segments(4, 16, 516, dev, varlen=True) == cp.SegmentRule(65, 8, 0)  # 4/16 x 8192x4
     assert cp.forward_segments(1, 8, 512, dev) == cp.SegmentRule(32, 16, 0)  # 2/8 x 1x32768: above the band
     # More than two sequences: the device's cut only where the wave model gains a margin at equal lengths.
@@ -183,3 +185,34 @@ def test_backward_segments_keep_half_v_columns(monkeypatch):
         seg_chunks = backward.backward_segment_chunks_for(seqs, hv, max_chunks, dev)
         assert seg_chunks is not None
         assert backward._sequential_layout({}, seg_chunks, problem, dev) == (True, 64)
+
+
+def test_lead_in_segments_where_the_pipeline_is_off(monkeypatch):
+    """Where sequences x value heads fill at most half the SMs but the transition pipeline does
+    not pay (short sequences), the forward cuts them into lead-in segments (s69): at least
+    LEAD_IN_MIN_SEGMENT_CHUNKS chunks, at most SMs // Hv segments balanced on the device."""
+    from flash_gdn.hopper import context_parallel as cp
+
+    monkeypatch.setattr(cp, "num_sms", lambda index: 132)
+    for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
+        monkeypatch.delenv(name, raising=False)
+    dev = torch.device("cuda", 0)
+    lead = cp.SegmentRule(cp.LEAD_IN_MIN_SEGMENT_CHUNKS, 8, 0, True)
+    assert cp.forward_segments(4, 16, 132, dev, varlen=True) == lead  # 4/16 and 16/16 x 2048x4
+    assert cp.forward_segments(8, 8, 136, dev, varlen=True) == lead._replace(seg_target=16)  # 2/8 x 1024x8
+    assert cp.forward_segments(1, 64, 33, dev, varlen=True) == lead._replace(seg_target=2)  # 16/64 x 1x2048
+    assert cp.forward_segments(1, 64, 32, dev) == lead._replace(seg_target=2)  # ... without cu_seqlens
+    assert lead.plan == (cp.LEAD_IN_MIN_SEGMENT_CHUNKS, 8, 0)  # plan_for's arguments
+    # Not where segments x heads would not fit one wave, nor where a sequence gives no two segments.
+    assert cp.forward_segments(8, 16, 264, dev, varlen=True) is None  # 4/16 x 2048x8
+    assert cp.forward_segments(8, 8, 72, dev, varlen=True) is None  # 2/8 x 512x8
+    assert cp.forward_segments(4, 16, 132, dev, varlen=True, lead_in=False) is None  # the caller has no lead-in kernel
+    # The pipeline's rows keep the pipeline unless the environment asks.
+    assert cp.forward_segments(1, 8, 512, dev) == cp.SegmentRule(32, 16, 0)
+    monkeypatch.setenv("FLASH_GDN_CP_LEAD_IN", "1")
+    assert cp.forward_segments(1, 8, 512, dev) == cp.SegmentRule(32, 16, 0, True)
+    monkeypatch.setenv("FLASH_GDN_CP_LEAD_IN", "0")
+    assert cp.forward_segments(4, 16, 132, dev, varlen=True) is None
+    monkeypatch.delenv("FLASH_GDN_CP_LEAD_IN")
+    monkeypatch.setenv("FLASH_GDN_CP", "0")
+    assert cp.forward_segments(4, 16, 132, dev, varlen=True) is None
