@@ -224,7 +224,8 @@ def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens
                               keep_inverse=keep_inverse, use_l2=use_l2)
     stream = planning.current_stream_handle(dev) if dev.type == "cuda" else None
     key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(), keep_inverse,
-           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_STATE_ROLES"))
+           env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_LEAD_IN"),
+           env_get("FLASH_GDN_STATE_ROLES"))
     call = _CALLS.get(key)
     if call is None:
         call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True,

@@ -202,7 +202,7 @@ def test_context_parallel_below_the_band_cut_on_the_device(monkeypatch, h0):
     cu = random_cu_seqlens(lengths, device="cuda")
     rule = cp.forward_segments(2, 8, chunk_capacity(1, 5500, 2, True), torch.device("cuda"), varlen=True)
     assert rule == cp.SegmentRule(32, 12, 8)
-    segs = plan_for(1, 5500, cu, torch.device("cuda"), *rule).segments
+    segs = plan_for(1, 5500, cu, torch.device("cuda"), *rule.plan).segments
     assert segs.num_segs.tolist() == [2, 1] and segs.seg_info[0, 1].item() == 40 * 64
     inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 3.0), zero_decay_heads=2, n=2, h0=h0)
     _check(inputs, cu_seqlens=cu)

@@ -34,7 +34,7 @@ def test_roles_kernel_is_the_one_launched(roles):
     forward.release_workspaces()
     chunk_gated_delta_rule(**_inputs(100, 2, 4, 128), output_final_state=True)
     (key,) = forward._KERNELS
-    assert key[-1] is True  # roles
+    assert key[11] is True and key[12] is False  # roles, not lead-in segments
     assert "state_output_roles" in forward._KERNELS[key].output.get_kernel_source()
 
 
@@ -106,7 +106,7 @@ def test_context_parallel_output_kernel_in_place(monkeypatch, state_roles, h0):
     inputs = _inputs(sum(lengths), 2, 8, 128, gate=(0.0, 20.0), zero_decay_heads=2, n=len(lengths), h0=h0)
     _check(inputs, cu_seqlens=random_cu_seqlens(lengths, device="cuda"))
     (key,) = forward._KERNELS
-    assert key[6] is True and key[-1] is (state_roles == "1")  # cp, roles
+    assert key[6] is True and key[11] is (state_roles == "1") and key[12] is False  # cp, roles, not lead-in
     name = "state_output_roles" if state_roles == "1" else "state_output_vmajor"
     assert name in forward._KERNELS[key].output.get_kernel_source()
 
