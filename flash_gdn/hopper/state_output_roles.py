@@ -221,6 +221,47 @@ def chunk_pt(pt, pt_s, fac, stage, dtype):
 
 
 @T.macro
+def chunk_output(c, wg, dtype, stages, k_s, q_s, pt_s, fac, o_s, o, state_a, state_t, vn_t, vn_a, vnw_a, out_t, empty, start,
+                 length, head, v0):
+    """A chunk's step after V_new^T's product is issued: S^T Q^T beside it, the state update, O^T
+    and its store (the stage handed back once its last product is done)."""
+    T.wgmma_gemm(state_a, q_s[c % stages, :, :], out_t, transpose_B=True, clear_accum=True)
+    T.wait_wgmma(1)
+    # The state update as soon as V_new is known.
+    for vr, i in T.Parallel(WG_ROWS, CHUNK):
+        vnw_a[vr, i] = T.cast(vn_t[vr, i] * fac[c % stages, F_K, i], dtype)
+    T.wgmma_gemm(vnw_a, k_s[c % stages, :, :], state_t)
+    for vr, i in T.Parallel(WG_ROWS, CHUNK):
+        vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
+    # O^T = (S^T Q^T) diag(scale e^gamma r_q) + V_new^T P^T (P^T from the producer).
+    T.wait_wgmma(1)
+    for vr, i in T.Parallel(WG_ROWS, CHUNK):
+        out_t[vr, i] = out_t[vr, i] * fac[c % stages, F_Q, i]
+    T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)
+    T.wait_wgmma(0)
+    T.barrier_arrive(empty[c % stages])
+    # The previous chunk's store has read o_s: tma_store_wait holds the thread that issued it,
+    # this warpgroup's barrier the other 127.
+    T.tma_store_wait(0)
+    T.sync_threads(O_BARRIER + wg, 128)
+    # (o_s's write access: TileLang's sync pass then puts this warpgroup's barrier before the TMA store)
+    T.call_extern("handle", f"flash_gdn_store_ot_trans_{dtype}", out_t.data, o_s.access_ptr("w"))
+    store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
+
+
+@T.macro
+def lead_in_update(c, dtype, stages, k_s, fac, state_t, vn_t, vnw_a, empty):
+    """A lead-in chunk's step after V_new^T's product is issued: the state update alone (no S^T Q^T,
+    no O^T; the producer still forms P^T)."""
+    T.wait_wgmma(0)
+    for vr, i in T.Parallel(WG_ROWS, CHUNK):
+        vnw_a[vr, i] = T.cast(vn_t[vr, i] * fac[c % stages, F_K, i], dtype)
+    T.wgmma_gemm(vnw_a, k_s[c % stages, :, :], state_t)
+    T.wait_wgmma(0)
+    T.barrier_arrive(empty[c % stages])
+
+
+@T.macro
 def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s, full, empty,
                     initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks, lead_in=None):
     """One state warpgroup's whole sequence: S^T of its 64 rows of V in registers (bf16 copy the
@@ -271,32 +312,15 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
         for vr, i in T.Parallel(WG_ROWS, CHUNK):
             skw_a[vr, i] = T.cast(sk_t[vr, i] * fac[c % stages, F_W, i], dtype)
         T.wgmma_gemm(skw_a, au_s[c % stages, :, :], vn_t, transpose_B=True)
-        T.wgmma_gemm(state_a, q_s[c % stages, :, :], out_t, transpose_B=True, clear_accum=True)
-        T.wait_wgmma(1)
-        # The state update as soon as V_new is known.
-        for vr, i in T.Parallel(WG_ROWS, CHUNK):
-            vnw_a[vr, i] = T.cast(vn_t[vr, i] * fac[c % stages, F_K, i], dtype)
-        T.wgmma_gemm(vnw_a, k_s[c % stages, :, :], state_t)
-        for vr, i in T.Parallel(WG_ROWS, CHUNK):
-            vn_a[vr, i] = T.cast(vn_t[vr, i], dtype)
-        # O^T = (S^T Q^T) diag(scale e^gamma r_q) + V_new^T P^T (P^T from the producer).
-        T.wait_wgmma(1)
-        for vr, i in T.Parallel(WG_ROWS, CHUNK):
-            out_t[vr, i] = out_t[vr, i] * fac[c % stages, F_Q, i]
-        T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)
-        T.wait_wgmma(0)
-        T.barrier_arrive(empty[c % stages])
-        # The previous chunk's store has read o_s: tma_store_wait holds the thread that issued it,
-        # this warpgroup's barrier the other 127.
-        T.tma_store_wait(0)
-        T.sync_threads(O_BARRIER + wg, 128)
-        # (o_s's write access: TileLang's sync pass then puts this warpgroup's barrier before the TMA store)
-        T.call_extern("handle", f"flash_gdn_store_ot_trans_{dtype}", out_t.data, o_s.access_ptr("w"))
         if lead_in is not None:
-            if c >= lead_in[0]:  # (the lead-in's chunks belong to the previous segment)
-                store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
+            if c < lead_in[0]:  # a lead-in chunk (the previous segment's): the state alone
+                lead_in_update(c, dtype, stages, k_s, fac, state_t, vn_t, vnw_a, empty)
+            else:
+                chunk_output(c, wg, dtype, stages, k_s, q_s, pt_s, fac, o_s, o, state_a, state_t, vn_t, vn_a, vnw_a,
+                             out_t, empty, start, length, head, v0)
         else:
-            store_chunk_rows(o_s, o, start, length, head, v0, wait=False)
+            chunk_output(c, wg, dtype, stages, k_s, q_s, pt_s, fac, o_s, o, state_a, state_t, vn_t, vn_a, vnw_a, out_t,
+                         empty, start, length, head, v0)
     T.tma_store_wait(0)
     if lead_in is not None:
         if lead_in[2] != 0:
@@ -374,6 +398,8 @@ def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma,
             if q_norms != 0:  # (uniform)
                 stage_q_norms(q_s, fac, c % stages, tx - PRODUCER_THREAD0, head_k, dtype)
             stage_factors(fac, c % stages, T.min(seq_end - seq_start - c * CHUNK, CHUNK), scale)
+            # (P^T for lead-in chunks too: skipped there, ptxas serialises the state warpgroups' wgmma
+            # (C7514) or spills the producer.)
             T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)
             T.wait_wgmma(0)
             chunk_pt(pt, pt_s, fac, c % stages, dtype)
