@@ -109,9 +109,12 @@ def _lead_in_rule(num_seqs: int, num_v_heads: int, max_chunks: int, device: torc
     (``state_output_roles``' ``lead_in``): where gates decay, the last one or few of them from zero
     (the transitions' truncation: a window of at most ``segment_state.WINDOW_CHUNKS``), else the whole
     of the sequence before it from the initial state - exact, and never longer than the uncut pass
-    this replaces. No transition or scan kernel runs. H200 (s69, forward kernel time, the pipeline's
-    CP with 16-chunk segments against none): 4/16 x 2048x4 74.6 / 88.2 us, 16/64 x 1x2048 76.5 /
-    89.1, 16/16 x 2048x4 82.2 / 91.2, of which the transitions and the scan take 14-15 us."""
+    this replaces: a lead-in chunk updates the state alone, without output). No transition or scan
+    kernel runs. H200, s69, inference forward kernel time, us, uncut / lead-in: gates of
+    logsigmoid(N(0, 1)) 4/16 x 2048x4 88.7 / 61.1, 2/8 x 1024x8 49.0 / 37.3, 16/64 x 1x2048 89.0 /
+    62.2; gates of 0 or -0.005 a token (every segment runs its whole prefix) 89.0 / 85.5, 49.4 /
+    48.8, 88.7 / 86.5. The pipeline's CP with 16-chunk segments there: 74.6 (4/16), 76.5 (16/64),
+    of which its transitions and scan take 14-15 us."""
     target_segments = sm_count(device) // num_v_heads
     if target_segments < TWO_SEGMENTS * num_seqs or max_chunks < TWO_SEGMENTS * LEAD_IN_MIN_SEGMENT_CHUNKS * num_seqs:
         return None
