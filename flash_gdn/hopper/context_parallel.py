@@ -18,7 +18,11 @@ sequences x value heads fill fewer SMs than two segments a sequence need (48 and
 heads), one or two sequences are still cut where the lengths the device reads make it pay
 (``forward_segments``: segments over several waves of the output pass), and more sequences where
 the same model gains a margin at equal lengths (``MANY_SEQS_CUT_STEPS``).
-``FLASH_GDN_CP=0`` turns it off; ``FLASH_GDN_CP_SEGMENT_CHUNKS=n`` forces segments of n chunks.
+Where none of that pays but the SMs hold two segments a sequence, sequences are cut into lead-in
+segments instead (``_lead_in_rule``): no transitions, no scan; each segment's CTA of the output pass
+runs the chunks before it first (``state_output_roles``' ``lead_in``).
+``FLASH_GDN_CP=0`` turns it off; ``FLASH_GDN_CP_SEGMENT_CHUNKS=n`` forces segments of n chunks;
+``FLASH_GDN_CP_LEAD_IN=0`` / ``1``: lead-in segments never / wherever CP is on.
 """
 
 from __future__ import annotations
