@@ -109,7 +109,8 @@ def patched_source(variant: str) -> str:
 def patched_roles_source(variant: str) -> str:
     s = open(ROLES_SOURCE).read()
     b = _ROLES_BODY
-    producer = " " * 20  # the producer's chunk loop
+    tail = " " * 4  # a chunk's step after V_new's product (``chunk_output``)
+    producer = " " * 12  # the producer's chunk loop (``roles_cta``)
     kq = (producer + "T.wgmma_gemm(k_s[c % stages, :, :], q_s[c % stages, :, :], pt, transpose_B=True, clear_accum=True)\n"
           + producer + "T.wait_wgmma(0)\n")
     pt_line = producer + "chunk_pt(pt, pt_s, fac, c % stages, dtype)\n"
@@ -121,12 +122,12 @@ def patched_roles_source(variant: str) -> str:
         sk = "T.wgmma_gemm(state_a, k_s[c % stages, :, :], sk_t, transpose_B=True, clear_accum=True)\n"
         s = _replace(s, b + sk, "")
     if variant == "roles_no_pt":
-        s = _replace(s, b + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
+        s = _replace(s, tail + "T.wgmma_gemm(vn_a, pt_s[c % stages, :, :], out_t)\n", "")
     if variant == "roles_no_pass":
         s = _replace(s, pt_line, producer + "T.copy(pt, pt_s[c % stages, :, :])\n")
     if variant == "roles_no_store":
-        start = s.index(b + "T.tma_store_wait(0)\n")
-        end = s.index(b + "store_chunk_rows(o_s, o, start, length, head, v0, wait=False)\n")
+        start = s.index(tail + "T.tma_store_wait(0)\n")
+        end = s.index(tail + "store_chunk_rows(o_s, o, start, length, head, v0, wait=False)\n")
         s = s[:start] + s[end:].split("\n", 1)[1]
     return s
 
