@@ -98,8 +98,6 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
         rule = _lead_in_rule(num_seqs, num_v_heads, max_chunks, device)
     elif rule is not None and lead_in and lead_in_env == "1":
         rule = rule._replace(lead_in=True)  # (forced: to compare the two on the pipeline's rows)
-    if rule is not None and rule.lead_in and not lead_in:
-        rule = None
     if rule is not None and segment_capacity(max_chunks, num_seqs, rule.seg_chunks) > MAX_SEGMENT_SLOTS:
         return None  # (only where the environment forces short segments over very many chunks)
     return rule

@@ -322,11 +322,11 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
             chunk_output(c, wg, dtype, stages, k_s, q_s, pt_s, fac, o_s, o, state_a, state_t, vn_t, vn_a, vnw_a, out_t,
                          empty, start, length, head, v0)
     T.tma_store_wait(0)
+    # (in place: an empty segment keeps its state; a lead-in segment: only at its sequence's end)
+    writes_final = (seq_end > seq_start) if in_place else True
     if lead_in is not None:
-        if lead_in[2] != 0:
-            for vr, i in T.Parallel(WG_ROWS, head_k):
-                final_state[seq, head, i, v0 + vr] = state_t[vr, i]
-    elif (seq_end > seq_start) if in_place else True:
+        writes_final = lead_in[2] != 0
+    if writes_final:
         for vr, i in T.Parallel(WG_ROWS, head_k):
             final_state[seq, head, i, v0 + vr] = state_t[vr, i]
 
