@@ -81,10 +81,16 @@ def _hopper_forward():
     return _HOPPER_FORWARD
 
 
+# ``_forward_impl``'s ``for_backward`` where the backward will be handed A_r alone (the compiled forward
+# op's one saved output): the Hopper forward writes nothing else for it (no W).
+A_R_ONLY = "a_r"
+
+
 def _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens, state_v_first, path,
                   save_states=False, for_backward=False):
     """Run the chosen implementation without autograd; returns (o, final_state, extras).
-    ``for_backward``: a backward follows (the Hopper forward keeps the chunk inverse for it)."""
+    ``for_backward``: a backward follows (the Hopper forward keeps the chunk inverse for it, and what
+    else its backward reads; ``A_R_ONLY``: the inverse alone)."""
     if path == dispatch.HOPPER:
         return _hopper_forward()(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2, cu_seqlens,
                               state_v_first, save_states, for_backward)
@@ -143,15 +149,21 @@ def chunk_gated_delta_rule_bwd(
         raise TypeError(f"saved must be the ForwardSaved returned by chunk_gated_delta_rule_fwd, got {type(saved).__name__}")
     if not isinstance(do, torch.Tensor) or do.shape != saved.v.shape:
         raise ValueError(f"do must be shaped like o {tuple(saved.v.shape)}, got {getattr(do, 'shape', type(do).__name__)}")
+    return _backward(do, dht, saved)
+
+
+def _backward(do, dht, saved: ForwardSaved, last: bool = False) -> GDNGrads:
+    """``chunk_gated_delta_rule_bwd`` after its checks; ``last``: ``saved`` is not read again (autograd's
+    backward without ``retain_graph``), so the Hopper backward may free what it kept (W) once read."""
     if saved.path == dispatch.HOPPER and env_get("FLASH_GDN_PORTABLE_BACKWARD") != "1":
-        return _hopper_backward(do, dht, saved)
+        return _hopper_backward(do, dht, saved, last)
     return _portable_backward(do, dht, saved)
 
 
 _HOPPER_BACKWARD = None
 
 
-def _hopper_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
+def _hopper_backward(do, dht, saved: ForwardSaved, last: bool = False) -> GDNGrads:
     """The Hopper backward kernels (``FLASH_GDN_PORTABLE_BACKWARD=1`` swaps in the portable one);
     ``hopper.backward`` imported at the first call, as ``_hopper_forward`` does."""
     global _HOPPER_BACKWARD
@@ -161,7 +173,7 @@ def _hopper_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
         _HOPPER_BACKWARD = hopper_backward
     return GDNGrads(*_HOPPER_BACKWARD(saved.q, saved.k, saved.v, saved.g, saved.beta, do, dht, saved.problem,
                                      saved.initial_state, saved.use_qk_l2norm_in_kernel, saved.cu_seqlens,
-                                     saved.state_v_first, saved.extras))
+                                     saved.state_v_first, saved.extras, release_w=last))
 
 
 def _portable_backward(do, dht, saved: ForwardSaved) -> GDNGrads:
@@ -203,7 +215,8 @@ class _HopperGDN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, *rest):
         dht = rest[0] if ctx.has_final else None
-        grads = chunk_gated_delta_rule_bwd(do, dht, ctx.saved)
+        # (a second backward, under retain_graph, finds W gone and has its own prepare_wu form it)
+        grads = _backward(do, dht, ctx.saved, last=True)
         return grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dh0, None, None, None, None, None, None
 
 

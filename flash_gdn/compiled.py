@@ -63,13 +63,14 @@ def forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
                output_final_state: bool, use_l2: bool, state_v_first: bool,
                keep_inverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .api import _choose_path, _forward_impl
+    from .api import A_R_ONLY, _choose_path, _forward_impl
 
     problem = _problem(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, real=True)
     path = _choose_path(q, problem)
-    with torch.no_grad(), keep_nothing():
+    with torch.no_grad(), keep_nothing():  # (A_r is the one saved output: nothing else is written for the backward)
         o, final_state, extras = _forward_impl(q, k, v, g, beta, problem, initial_state, output_final_state, use_l2,
-                                               cu_seqlens, state_v_first, path, for_backward=keep_inverse)
+                                               cu_seqlens, state_v_first, path,
+                                               for_backward=A_R_ONLY if keep_inverse else False)
     a_r = extras.get("a_r")
     final_state = _absent(q, torch.float32) if final_state is None else final_state.contiguous()
     return o.contiguous(), final_state, _absent(q, torch.float16) if a_r is None else a_r

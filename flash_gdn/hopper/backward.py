@@ -54,7 +54,8 @@ from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together, start_ahead
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, NO_OUTPUTS, build_prepare_wu, factors_buffer,
-                         flat_inputs, launch_prepare, prepare_buffers, with_bound, without_au, without_w)
+                         flat_inputs, launch_prepare, prepare_buffers, with_bound, without_au, without_bound,
+                         without_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
@@ -197,7 +198,7 @@ def state_grads_form_w(cp: bool, block_v: int, head_v: int, roles: bool, prepare
 
 
 def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens,
-                    saved: dict | None = None, intermediates: bool = False):
+                    saved: dict | None = None, intermediates: bool = False, release_w: bool = False):
     """Intermediates of the backward as a dict of device tensors (shapes in
     ``reference.chunked_backward.chunked_backward(intermediates=True)``; states in the
     ``[.., K, V]`` layout). ``saved``: the forward's ``extras``; when it holds the chunk
@@ -207,10 +208,12 @@ def backward_stages(q, k, v, g, beta, do, dht, problem: Problem, initial_state, 
     and value head at K = V = 128 off the peak; M^T dO's memory holds dK_wy instead where
     the call keeps its intermediates, ``_KEPT``) and only the gradients come back. Where the
     forward kept its chunk inverse (``saved["a_r"]``), prepare_wu reads it instead of solving
-    for it again."""
+    for it again. ``release_w``: the caller will not run this backward again (autograd's, without
+    ``retain_graph``): the forward's W leaves ``saved`` once its last reader is launched, as the
+    backward's own would, so that it is off the call's peak."""
     saved = saved or {}
     config = backward_config(q, g, beta, dht, problem, initial_state, cu_seqlens, saved)
-    return config.run(q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved, intermediates)
+    return config.run(q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved, intermediates, release_w)
 
 
 class BackwardKernels(NamedTuple):
@@ -268,7 +271,7 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
     # What the forward left: its chunk states (and whether its plan has CP segments), its chunk
     # inverse (and A_g with its factors), or nothing.
     source = (("states", prepared.plan.segments is not None) if prepared is not None
-              else ("a_r" in saved, "a_g" in saved))
+              else ("a_r" in saved, "a_g" in saved, "w" in saved, "log_bound" in saved))
     key = (problem, q.dtype, gate_dtype, index_dtype, initial_state is not None, dht is not None, source, q.device,
            env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_TRUNCATE"),
            env_get("FLASH_GDN_STATE_GRADS_ROLES"))
@@ -286,7 +289,7 @@ def backward_config(q, g, beta, dht, problem: Problem, initial_state, cu_seqlens
 
 
 def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device,
-                  kept_a_g: bool = True) -> None:
+                  kept_a_g: bool = True, kept_w: bool = False, kept_bound: bool = False) -> None:
     """At a training forward's first call of a configuration: start compiling the kernels its
     backward will launch, in forked workers left running (``prebuild.start_ahead``), so that they
     compile beside the forward's own rather than after it. Predicted as the default backward
@@ -303,6 +306,10 @@ def compile_ahead(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool
     if env_get("FLASH_GDN_COMPILE_AHEAD", "1") == "0":
         return
     kept = {"a_r": None, "a_g": None} if kept_a_g else {"a_r": None}
+    if kept_a_g and kept_w:
+        kept["w"] = None
+    if kept_a_g and kept_bound:
+        kept["log_bound"] = None
     config = BackwardConfig(problem, dtype, gate_dtype, index_dtype, has_h0, False, kept, dev, build=False)
     start_ahead(config.builders, config.build_key)
 
@@ -375,6 +382,11 @@ class BackwardConfig:
         self.kept_a_g = self.prepare and "a_g" in saved  # (handed over with A_r: the outputs read it)
         if self.kept_a_g:
             self.outputs = without_au(self.outputs)
+            # and W and the log bounds where the forward wrote them too (``forward_keeps``)
+            if "w" in saved:
+                self.outputs = without_w(self.outputs)
+            if "log_bound" in saved:
+                self.outputs = without_bound(self.outputs)
         self.from_forward = self.kept_a_g and not any(self.outputs[:5])
         self.kept_size: int | None = None  # bytes of the buffers a call keeps (``kept_buffers``)
         tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
@@ -426,7 +438,8 @@ class BackwardConfig:
         return _Kept(factors, h, v_new, torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev), dv_local,
                      torch.empty(hv, num_chunks, CHUNK, dtype=torch.float32, device=dev))
 
-    def run(self, q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved: dict, intermediates: bool):
+    def run(self, q, k, v, g, beta, do, dht, initial_state, use_l2, cu_seqlens, saved: dict, intermediates: bool,
+            release_w: bool = False):
         """One backward call (``backward_stages``)."""
         p, kernels, dev, dtype = self.problem, self.kernels, self.dev, self.dtype
         batch, seq_len = p.batch, p.seq_len
@@ -441,15 +454,15 @@ class BackwardConfig:
         capture = capturing(dev)
         kept = self.kept_buffers(plan, not intermediates, capture)
         num_chunks = plan.chunk_bounds.shape[0]
-        if self.from_forward:  # A_g and its factors as the forward wrote them (NO_OUTPUTS: nothing new)
+        if self.from_forward:  # A_g and its factors (W, bounds) as the forward wrote them (NO_OUTPUTS: nothing new)
             buffers = prepare_buffers(p, num_chunks, dtype, dev, NO_OUTPUTS, factors=saved["factors"])
-            buffers = buffers._replace(a_u=_kept_a_g(saved, num_chunks), a_r=saved["a_r"])
+            buffers = _with_kept(buffers._replace(a_u=_kept_a_g(saved, num_chunks), a_r=saved["a_r"]), saved)
         elif self.prepare:
             buffers = prepare_buffers(p, num_chunks, dtype, dev, self.outputs, saved.get("a_r"),
                                       None if kept is None else kept.factors)
             launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
-            if self.kept_a_g:  # (W and the bounds written here, A_g the forward's)
-                buffers = buffers._replace(a_u=_kept_a_g(saved, num_chunks))
+            if self.kept_a_g:  # (what is left written here, A_g and whatever else the forward kept, the forward's)
+                buffers = _with_kept(buffers._replace(a_u=_kept_a_g(saved, num_chunks)), saved)
         if self.prepare:
             qf, kf, vf, _, bf = flat
             # (with form_w the state-gradient pass takes A_g in W's place and chunk_states reads neither)
@@ -566,6 +579,8 @@ class BackwardConfig:
             dh0 = b.index_select(0, segs.first_seg) if h0 is not None or intermediates else None
             del b, ds_end, seg_state, run_init
         del w, dv_local, a_u
+        if release_w:  # (read on both streams: freed after the join, as the backward's own W is)
+            saved.pop("w", None)
 
         dv_out = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
         if kept is None or kept.dv_local is None:  # (allocated once W, A_g and the local dV are freed)
@@ -612,6 +627,30 @@ def _kept_a_g(saved: dict, num_chunks: int) -> torch.Tensor:
     if a_g.shape[0] != num_chunks:
         raise ValueError(f"the forward's A_g has {a_g.shape[0]} chunks, the backward's plan {num_chunks}")
     return a_g
+
+
+def _with_kept(buffers, saved: dict):
+    """``buffers`` with the W and log bounds a training forward kept (``forward_keeps``), where it did."""
+    if "w" in saved:
+        buffers = buffers._replace(w=saved["w"])
+    if "log_bound" in saved:
+        buffers = buffers._replace(log_bound=saved["log_bound"])
+    return buffers
+
+
+def forward_keeps(problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device) -> tuple[bool, bool]:
+    """(W, the log bounds): what a training forward that keeps A_g should also write for the backward
+    that follows it, so that this backward runs no ``prepare_wu`` at all: W where the state passes
+    read it (not where they form it themselves, ``state_grads_form_w``), the bounds where CP
+    truncates (``truncate_opted``). Decided from shapes, as the backward decides (its
+    ``BackwardConfig`` for such a forward); ``FLASH_GDN_KEEP_W=0``: neither (the backward forms them).
+    W costs 2 K bytes per token and value head between the forward and the backward (256 at K =
+    128: A_r and A_g together take as much); docs/performance.md s70."""
+    if env_get("FLASH_GDN_KEEP_W", "1") == "0":
+        return False, False
+    config = BackwardConfig(problem, dtype, gate_dtype, index_dtype, has_h0, False, {"a_r": None, "a_g": None}, dev,
+                            build=False)
+    return config.outputs[3], config.outputs[4]
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -673,14 +712,15 @@ def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, se
 
 
 def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first,
-                    saved: dict | None = None):
-    """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; states in the caller's layout."""
+                    saved: dict | None = None, release_w: bool = False):
+    """(dq, dk, dv, dg, dbeta, dh0) in the inputs' dtypes; states in the caller's layout
+    (``release_w``: ``backward_stages``')."""
     h0 = None
     if initial_state is not None:
         h0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
     if dht is not None and state_v_first:
         dht = dht.transpose(-1, -2)
-    out = backward_stages(q, k, v, g, beta, do, dht, problem, h0, use_l2, cu_seqlens, saved)
+    out = backward_stages(q, k, v, g, beta, do, dht, problem, h0, use_l2, cu_seqlens, saved, release_w=release_w)
     dh0 = None
     if initial_state is not None:
         dh0 = out["dh0_all"].transpose(-1, -2) if state_v_first else out["dh0_all"]

@@ -26,8 +26,8 @@ from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, PrepareBuffers, build_prepare_wu,
-                         flat_inputs, kept_for_backward, launch_prepare, prepare_buffers, run_prepare, with_factors,
-                         with_inverse)
+                         flat_inputs, kept_for_backward, launch_prepare, prepare_buffers, run_prepare, with_bound,
+                         with_factors, with_inverse, with_w)
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_truncation, transition_sources
 from .state_output import build_state_output
@@ -79,14 +79,16 @@ _KERNELS: dict[tuple, ForwardKernels] = {}
 
 
 def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                    fused=False, keep_inverse=False, roles=False, lead_in=False) -> ForwardKernels:
+                    fused=False, keep_inverse=False, roles=False, lead_in=False, keep_w=False,
+                    keep_bound=False) -> ForwardKernels:
     """The configuration's kernels, compiled together at its first call (``prebuild``).
-    ``keep_inverse``: the default forward also writes A_r for the backward. ``roles``: the
+    ``keep_inverse``: the default forward also writes A_r for the backward, and with ``keep_w`` and
+    ``keep_bound`` W and the log bounds (``backward.forward_keeps``). ``roles``: the
     output kernel is ``state_output_roles`` (``use_state_roles``). ``lead_in`` (with ``cp`` and
     ``roles``): CP by lead-in segments (``context_parallel.SegmentRule.lead_in``): no transitions,
     no scan."""
     key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused, keep_inverse, roles,
-           lead_in)
+           lead_in, keep_w, keep_bound)
     kernels = _KERNELS.get(key)
     if kernels is None:
         build_together(("forward", *key), lambda: forward_builders(*key))
@@ -96,7 +98,8 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
 
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                     fused=False, keep_inverse=False, roles=False, lead_in=False) -> ForwardKernels:
+                     fused=False, keep_inverse=False, roles=False, lead_in=False, keep_w=False,
+                     keep_bound=False) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     if fused:
         return ForwardKernels(None, None, None, lambda: build_forward_fused(dk, dv, tl_dtype, gate_dtype, has_h0))
@@ -117,7 +120,8 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
                                                    in_place=cp)
     default = not save_states
     return ForwardKernels(
-        lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp, keep_inverse)),
+        lambda: build_prepare_wu(dk, dv, tl_dtype, gate_dtype, *_prepare_outputs(save_states, cp, keep_inverse, keep_w,
+                                                                                  keep_bound)),
         # The default forward's transitions form U and W S from V, K and A_g, and are truncated
         # where gates decay (segment_state); the saved-state forward's read U and W, exact.
         (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default)) if segment_states else None,
@@ -127,7 +131,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
 
 
 def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_final_state, use_l2, cu_seqlens,
-                   state_v_first, save_states: bool = False, for_backward: bool = False):
+                   state_v_first, save_states: bool = False, for_backward: bool | str = False):
     """Returns ``(o, final_state, extras)``; see ``api.chunk_gated_delta_rule_fwd``.
 
     The default forward goes through ``DefaultForward`` (kept per call key: host time). With
@@ -135,8 +139,11 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
     ``extras["a_r"]`` [chunks, Hv, 64, 64] fp16, 128 bytes per token and value head, so that the
     backward's ``prepare_wu`` reads A_r instead of solving for it again (as FLA keeps its A), and
     ``extras["a_g"]`` (A_g in the input dtype, another 128 bytes) with ``extras["factors"]`` (gamma
-    and the inverse norms, 4 (Hv + 2 Hqk) / Hv bytes), so that where A_g is all the backward's
-    ``prepare_wu`` would write, it does not run (``backward.BackwardConfig``).
+    and the inverse norms, 4 (Hv + 2 Hqk) / Hv bytes), and where the backward's state passes read W
+    (``backward.forward_keeps``), ``extras["w"]`` (W [tokens, Hv, K] in the input dtype, 2 K bytes) and
+    with CP's truncation ``extras["log_bound"]`` (a view of the factors), so that the backward runs no
+    ``prepare_wu`` at all (``backward.BackwardConfig``). ``for_backward=api.A_R_ONLY``: A_r is all the
+    backward will be handed (W is not written).
     With ``save_states``, ``extras`` holds what the backward would otherwise recompute:
     ``prepared`` (W, gamma, inverse norms, A_r, the chunk plan; U dropped) and every chunk's start
     state ``h`` [chunks, Hv, K, V] and ``v_new`` [tokens, Hv, V] in the input dtype.
@@ -213,7 +220,7 @@ def release_workspaces() -> None:
 
 
 def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens,
-                         keep_inverse: bool = False, use_l2: bool = False) -> "DefaultForward":
+                         keep_inverse: bool | str = False, use_l2: bool = False) -> "DefaultForward":
     """The ``DefaultForward`` of this call: a kept one for its key, or a new one (kept unless
     capturing a CUDA graph; ``use_l2``, the call's, predicts what a new one's backward reads)."""
     gate_dtype = kernel_gate_dtype(g, beta, q.dtype)
@@ -225,7 +232,7 @@ def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens
     stream = planning.current_stream_handle(dev) if dev.type == "cuda" else None
     key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(), keep_inverse,
            env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_LEAD_IN"),
-           env_get("FLASH_GDN_STATE_ROLES"))
+           env_get("FLASH_GDN_STATE_ROLES"), env_get("FLASH_GDN_KEEP_W") if keep_inverse else None)
     call = _CALLS.get(key)
     if call is None:
         call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True,
@@ -257,9 +264,10 @@ class DefaultForward:
     call's own (they are returned for the backward, so never kept)."""
 
     def __init__(self, problem: Problem, dtype, gate_dtype, index_dtype, has_h0: bool, dev: torch.device, keep: bool,
-                 keep_inverse: bool = False, use_l2: bool = False):
+                 keep_inverse: bool | str = False, use_l2: bool = False):
         """``use_l2``: the first call's; its backward's kernels are compiled ahead for it (a key's later
-        calls may differ: then theirs compile at their backward's first call)."""
+        calls may differ: then theirs compile at their backward's first call). ``keep_inverse``:
+        ``hopper_forward``'s ``for_backward`` (``api.A_R_ONLY``, any value but True: no W)."""
         num_seqs, hv, dk, dv = problem.num_seqs, problem.num_v_heads, problem.head_k, problem.head_v
         varlen = index_dtype is not None
         self.problem, self.dtype, self.gate_dtype, self.dev = problem, dtype, gate_dtype, dev
@@ -271,7 +279,17 @@ class DefaultForward:
         split = not roles and split_output(self.cp, num_seqs, hv, dv, dev)
         self.rule = segments.plan if self.cp else (None, 0, 0)  # plan_for's (seg_chunks, seg_target, wave_ctas)
         self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS  # (the workspace's: A_r is per call)
+        keep_all, keep_inverse = keep_inverse is True, bool(keep_inverse)
         self.keep_inverse = keep_inverse
+        # A training forward also writes W and the log bounds where its backward would otherwise run
+        # prepare_wu for them (backward.forward_keeps): W per call, the bounds in the factors.
+        self.keep_w = self.keep_bound = False
+        if keep_all:
+            from .backward import forward_keeps
+
+            self.keep_w, self.keep_bound = forward_keeps(problem, dtype, gate_dtype, index_dtype, has_h0, dev)
+            if self.keep_bound:
+                self.outputs = with_bound(self.outputs)
         # Without grouped heads the roles kernel forms the fused L2 norm's inverse query norms from
         # its own q tiles, so prepare_wu skips them (NORMALIZE_K_ONLY) and q is read once: H200,
         # forward kernel time with the norm, 32/32 x 8192x4 534 -> 494 us (s53-s54). With groups every value
@@ -284,11 +302,14 @@ class DefaultForward:
         if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
             from .backward import compile_ahead
 
-            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=self.keeps_a_g(use_l2))
+            kept_a_g = self.keeps_a_g(use_l2)
+            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=kept_a_g,
+                          kept_w=self.keep_w, kept_bound=self.keep_bound)
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,
-                                       roles=roles, lead_in=self.lead_in)
+                                       roles=roles, lead_in=self.lead_in, keep_w=self.keep_w,
+                                       keep_bound=self.keep_bound)
         self.keep = keep
         self.workspace: _Workspace | None = None
 
@@ -340,6 +361,13 @@ class DefaultForward:
                 a_r, a_g, factors = kept_for_backward(p, num_chunks, self.dtype, self.dev, write_bound)
                 prep = with_factors(prep._replace(a_r=a_r, a_u=a_g), p, num_chunks, factors, write_bound)
                 kept = {"a_r": a_r, "a_g": a_g, "factors": factors}
+                if self.keep_bound:
+                    kept["log_bound"] = prep.log_bound
+            if self.keep_w:  # (the variant writes W: a buffer of the call's own, handed over where A_g is)
+                w = torch.empty(p.batch * p.seq_len, p.num_v_heads, p.head_k, dtype=self.dtype, device=self.dev)
+                prep = prep._replace(w=w)
+                if "a_g" in kept:
+                    kept["w"] = w
         launch_prepare(kernels.prepare, flat, plan, prep, use_l2, q_norms=not self.state_q_norms)
         qf, kf, vf = flat[:3]
         # the roles kernel's last argument
@@ -441,19 +469,27 @@ def _fused_forward(kernel: Launcher, q, k, v, g, beta, problem: Problem, h0, use
     return o, final_state
 
 
-def _prepare_outputs(save_states: bool, cp: bool, keep_inverse: bool = False) -> tuple[bool, ...]:
+def _prepare_outputs(save_states: bool, cp: bool, keep_inverse: bool = False, keep_w: bool = False,
+                     keep_bound: bool = False) -> tuple[bool, ...]:
+    """The forward's ``prepare_wu`` variant. A training forward that writes W for its backward runs
+    the variant that backward would have run without A_r (``BACKWARD_OUTPUTS``, with the bounds
+    where CP is on or the backward truncates): the fp32 inverse, not ``keep_r``'s."""
     if save_states:
         return SAVED_STATE_OUTPUTS
     outputs = FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
+    if keep_inverse and keep_w:
+        outputs = with_w(outputs)
+    if keep_inverse and keep_bound:
+        outputs = with_bound(outputs)
     return with_inverse(outputs) if keep_inverse else outputs
 
 
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False, fused=False,
-                     keep_inverse=False, roles=False, lead_in=False):
+                     keep_inverse=False, roles=False, lead_in=False, keep_w=False, keep_bound=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
     builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                                            fused, keep_inverse, roles, lead_in)
+                                            fused, keep_inverse, roles, lead_in, keep_w, keep_bound)
                 if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]

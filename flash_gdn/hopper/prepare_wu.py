@@ -102,6 +102,16 @@ def with_bound(outputs: tuple) -> tuple:
     return (*outputs[:4], True, *outputs[5:])
 
 
+def with_w(outputs: tuple) -> tuple:
+    """``outputs`` that also write W (a training forward whose backward reads W: ``backward.forward_keeps``)."""
+    return (*outputs[:3], True, *outputs[4:])
+
+
+def without_bound(outputs: tuple) -> tuple:
+    """``outputs`` that write no log bounds (the backward after a forward that wrote them)."""
+    return (*outputs[:4], False, *outputs[5:])
+
+
 def without_w(outputs: tuple) -> tuple:
     """``outputs`` that write no W (the backward's sequential passes form it from K and A_g)."""
     return (*outputs[:3], False, *outputs[4:])
@@ -143,8 +153,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     # else is written (``with_inverse`` of the forward's outputs: the training forward, the backward's
     # recompute without W): the inverse of the ungated L, each level's block of A_g times the pair
     # decay as it is written, and A_r left in fp16 in the inverse's own tile, stored from there
-    # (``keep_r``, s60).
-    keep_r = write_inverse and mma and write_au and not write_w and not write_u
+    # (``keep_r``, s60). With W as well (the training forward that keeps W for its backward, s70), A_w
+    # comes from that A_g tile: A_w = A_g diag(e^gamma r), since A_g[i, j] e^gamma_j = e^gamma_i A_r[i, j] beta_j.
+    keep_r = write_inverse and mma and write_au and not write_u
     scaled = (gated or keep_r) and mma and write_au
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -338,7 +349,10 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
 
             # A_w = (e^gamma_i A_r[i, j] beta_j r_j) and A_u = (e^(gamma_i - gamma_j) A_r[i, j] beta_j),
             # lower triangles (selects of cheap operands; the exponentials outside them, tiles.pair_decay).
-            if write_w:
+            if write_w and scaled:  # (A_g's tile is exactly zero above the diagonal)
+                for i, j in T.Parallel(CHUNK, CHUNK):
+                    a_w[i, j] = T.cast(T.cast(a_u[i, j], ACCUM) * (k_inv[j] * T.__exp(gamma_s[j])), dtype)
+            elif write_w:
                 for i, j in T.Parallel(CHUNK, CHUNK):
                     kkt[i, j] = T.Select(i >= j, inv[i, j], T.cast(0, ACCUM)) * (beta_s[j] * k_inv[j] * T.__exp(gamma_s[i]))
                 T.copy(kkt, a_w)

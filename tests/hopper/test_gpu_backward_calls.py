@@ -78,7 +78,8 @@ def test_repeat_call_on_kept_intermediates_equals_a_call_of_its_own(monkeypatch,
     assert peak_keeping <= peak_alone + (1 << 20)  # (allocator rounding)
     assert len(backward._KEPT) == 1
     key, kept = next(iter(backward._KEPT.items()))
-    assert key[0].cp == cp and (kept.factors is None) == (forward_mode == "saved")
+    # (no factors of its own where the forward saved them: its chunk states, or everything prepare_wu writes)
+    assert key[0].cp == cp and (kept.factors is None) == (forward_mode == "saved" or key[0].from_forward)
     assert key[0].kept_size == backward._kept_bytes(kept)
     _poison(kept)
     got = call()
@@ -125,3 +126,21 @@ def test_kept_intermediates_are_bounded_and_released(monkeypatch):
     assert next(iter(backward._KEPT))[0] is list(backward._CONFIGS.values())[1]  # the first one dropped
     flash_gdn.release_workspaces()
     assert not backward._KEPT and not backward._CONFIGS
+
+
+@pytest.mark.parametrize("cp", [True, False])
+def test_a_retained_graph_backs_up_twice_after_w_is_released(monkeypatch, cp):
+    """Autograd's backward frees the W a training forward kept once it is read (``release_w``: it is off
+    the step's peak); a second backward of the same graph (``retain_graph=True``) then forms W itself
+    and gives the same gradients."""
+    monkeypatch.setenv("FLASH_GDN_CP", "1" if cp else "0")
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "4")
+    q, k, v, g, beta, init, cu = _backward_inputs(LENGTHS, 2, 8, l2=False)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o, _ = flash_gdn.chunk_gated_delta_rule(*leaves, cu_seqlens=cu)
+    do = torch.randn_like(o)
+    first = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    second = torch.autograd.grad(o, leaves, do)
+    for x, y in zip(first, second):  # (W from A_g in the forward, from A_r in the backward: roundings apart)
+        assert torch.isfinite(x).all() and torch.isfinite(y).all()
+        assert (x.float() - y.float()).norm() <= 1e-2 * y.float().norm()

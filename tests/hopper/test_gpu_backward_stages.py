@@ -264,8 +264,10 @@ def _check_whole_backward(lengths, hqk, hv, l2, state_v_first, batch=1, inverse=
     saved = None
     if inverse == "from_forward":
         _, _, saved = hopper_forward(q, k, v, g, beta, problem, init, False, l2, cu, state_v_first, for_backward=True)
-        # A_r, and A_g with its factors unless the forward left q's inverse norms to its state kernel
-        assert set(saved) in ({"a_r"}, {"a_r", "a_g", "factors"}), set(saved)
+        # A_r, and A_g with its factors unless the forward left q's inverse norms to its state kernel, and
+        # with them W and the log bounds where the backward would read them (backward.forward_keeps)
+        kept = set(saved) - {"w", "log_bound"}
+        assert kept in ({"a_r"}, {"a_r", "a_g", "factors"}) and (kept == set(saved) or "a_g" in kept), set(saved)
     with poisoned():
         grads = hopper_backward(q, k, v, g, beta, do.to(torch.bfloat16), dht.float(), problem, init, l2, cu,
                                 state_v_first, saved)
@@ -288,8 +290,10 @@ LENGTHS = [1, 0, 64, 300, 5, 129, 700]
     (2, 6, False, False),  # 3x: an odd group (qk_grads' two state slots)
     (1, 8, True, False),   # 8x
 ])
-@pytest.mark.parametrize("inverse", ["solved", "from_forward"])
-def test_hopper_backward_matches_naive_autograd(hqk, hv, l2, state_v_first, inverse):
+@pytest.mark.parametrize("inverse,keep_w", [("solved", "1"), ("from_forward", "1"), ("from_forward", "0")])
+def test_hopper_backward_matches_naive_autograd(monkeypatch, hqk, hv, l2, state_v_first, inverse, keep_w):
+    """keep_w "0": the training forward keeps A_r and A_g alone, and the backward's prepare_wu writes W."""
+    monkeypatch.setenv("FLASH_GDN_KEEP_W", keep_w)
     _check_whole_backward(LENGTHS, hqk, hv, l2, state_v_first, inverse=inverse)
 
 

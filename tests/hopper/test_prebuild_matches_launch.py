@@ -200,6 +200,7 @@ def test_backward_decisions_are_kept_per_configuration(recorder):
 
     q, k, v, g, beta, cu, problem = _inputs([8192], 2, 4)  # CP in the backward (BACKWARD_ROWS)
     _, _, extras = hopper_forward(q, k, v, g, beta, problem, None, True, False, cu, False, for_backward=True)
+    extras = {name: extras[name] for name in ("a_r", "a_g", "factors")}  # (as if W were not kept: prepare_wu runs)
     for _ in range(2):
         backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, False, cu, extras)
     assert len(backward._CONFIGS) == 1
@@ -224,6 +225,7 @@ def test_backward_decisions_are_kept_per_configuration(recorder):
 @pytest.mark.parametrize("roles", ["1", "0"])
 @pytest.mark.parametrize("lengths, hqk, hv, wide", [([256] * 4, 8, 40, True), ([8192], 2, 4, False)])
 def test_the_sequential_passes_read_no_w_where_they_fill_the_gpu(recorder, monkeypatch, lengths, hqk, hv, wide, roles):
+    monkeypatch.setenv("FLASH_GDN_KEEP_W", "0")  # (the training forward keeps A_g alone: W from prepare_wu)
     """Where all of V is a CTA's and CP is off (runs x heads fill the SMs), ``chunk_states`` forms
     V_new from K and A_g and, with ``state_grads_roles``, the state-gradient pass forms W from A_w,
     which ``prepare_wu`` writes instead of W; elsewhere (CP, narrower blocks, or the pipelined
@@ -249,6 +251,54 @@ def test_the_sequential_passes_read_no_w_where_they_fill_the_gpu(recorder, monke
     prepares = [name for name, _ in recorder.calls if name == "build_prepare_wu"]
     assert config.from_forward == config.form_w
     assert len(prepares) == (1 if config.form_w else 2)  # (the forward's, and where not from it the backward's)
+
+
+# (lengths, hqk, hv): the backward with CP (truncated: bounds), 64 columns without CP, all of V
+@pytest.mark.parametrize("lengths, hqk, hv", [([8192], 2, 4), ([2048] * 8, 2, 4), ([256] * 4, 8, 40)])
+def test_a_training_forward_keeps_what_its_backward_would_prepare(recorder, lengths, hqk, hv):
+    """A training forward writes W (and the log bounds where the backward's CP truncates) where the
+    backward's state passes would read them from its own prepare_wu (``backward.forward_keeps``): the
+    backward then launches no prepare_wu at all and reads the forward's. Where the passes form W
+    themselves (all of V a CTA) nothing more is kept."""
+    from flash_gdn.hopper import backward, forward
+    from flash_gdn.hopper.forward import hopper_forward
+    from flash_gdn.hopper.prepare_wu import BACKWARD_OUTPUTS, with_bound
+
+    forward.release_workspaces()
+
+    q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
+    _, _, extras = hopper_forward(q, k, v, g, beta, problem, None, True, False, cu, False, for_backward=True)
+    backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, False, cu, extras)
+    (config,) = backward._CONFIGS.values()
+    assert ("w" in extras) == (not config.form_w)
+    assert ("log_bound" in extras) == config.truncate
+    assert config.from_forward and config.kernels.prepare is None
+    assert len([name for name, _ in recorder.calls if name == "build_prepare_wu"]) == 1  # (the forward's alone)
+    if "w" in extras:
+        (call,) = forward._CALLS.values()
+        (variant,) = [args for name, args, _ in recorder.launched if name == "build_prepare_wu"]
+        assert extras["w"].shape == (sum(lengths), hv, 128)
+        assert variant[4:10] == (with_bound(BACKWARD_OUTPUTS) if call.cp or config.truncate else BACKWARD_OUTPUTS)
+
+
+def test_a_forward_handing_over_a_r_alone_writes_no_w(recorder):
+    """The compiled forward op returns A_r alone (``api.A_R_ONLY``): its forward writes no W for a
+    backward that would never see it, where the eager training forward does."""
+    from flash_gdn.api import A_R_ONLY
+    from flash_gdn.hopper import forward
+    from flash_gdn.hopper.prepare_wu import FORWARD_CP_OUTPUTS, with_inverse
+
+    forward.release_workspaces()
+    q, k, v, g, beta, cu, problem = _inputs([8192], 2, 4)
+    _, _, extras = forward.hopper_forward(q, k, v, g, beta, problem, None, True, False, cu, False, for_backward=True)
+    assert "w" in extras
+    _, _, extras = forward.hopper_forward(q, k, v, g, beta, problem, None, True, False, cu, False,
+                                          for_backward=A_R_ONLY)
+    assert "w" not in extras and "a_r" in extras
+    (call,) = [c for c in forward._CALLS.values() if not c.keep_w and c.keep_inverse]
+    (variant,) = [args for name, args, _ in recorder.launched
+                  if name == "build_prepare_wu" and args[4:10] == with_inverse(FORWARD_CP_OUTPUTS)]
+    assert call.cp and variant
 
 
 @pytest.mark.parametrize("use_l2", [False, True])
