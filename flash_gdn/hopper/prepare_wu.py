@@ -21,7 +21,8 @@ without context parallelism forms W S from K and A_g in its state kernel (W = A_
 K, ``state_output_vmajor`` with ``form_w``), and so do the CP forward's segment transitions
 (``segment_state`` with ``form_w``), so there W is not written either (``write_w`` False: no
 A_w, no W product, no 16 KB store per chunk and head); the saved-state forward and the
-backward read W.
+backward read W, and a training forward writes it for its backward where that backward's state
+passes read it (``backward.forward_keeps``: then the backward runs no ``prepare_wu``).
 
 Fused L2 norm (``normalize`` = 1): K K^T's diagonal gives |k_i|^2, so with
 r_i = 1 / sqrt(|k_i|^2 + 1e-6) the normalised keys enter as K K^T -> r_i (K K^T)_ij r_j and
@@ -60,7 +61,9 @@ from .tiles import (ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inve
 # CP bounds the transitions too (its segment passes truncate where gates decay); where the
 # backward's two sequential passes form W S and W themselves (``backward.state_grads_form_w``)
 # no W is written (``without_w``). The launch code and the prebuild lists (forward_builders,
-# backward._kernel_builders, variants) all take these.
+# backward._kernel_builders, variants) all take these. A training forward whose backward reads W writes
+# it, and the bounds where that backward truncates (``with_w``, ``with_bound`` of its outputs: the
+# ``BACKWARD_OUTPUTS`` variants, by the scaled inverse that keeps A_r).
 FORWARD_OUTPUTS = (False, False, True, False, False, False)
 FORWARD_CP_OUTPUTS = (False, False, True, False, True, False)
 BACKWARD_OUTPUTS = (True, False, True, True, False, False)

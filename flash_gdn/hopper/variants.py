@@ -33,7 +33,8 @@ HEAD_DIMS = (64, 128)
 # The forward's outputs alone (inference) and with A_r kept for a backward (training).
 # The backward's with CP also bound the transitions (backward.truncate_opted); without CP at all of
 # V a CTA they write no W (backward.state_grads_form_w: without_w(BACKWARD_OUTPUTS) is the training
-# forward's variant, with_inverse(FORWARD_OUTPUTS), so each variant is listed once).
+# forward's variant, with_inverse(FORWARD_OUTPUTS), so each variant is listed once; a training forward that
+# keeps W for its backward runs BACKWARD_OUTPUTS or with_bound(BACKWARD_OUTPUTS)).
 PREPARE_OUTPUTS = tuple(dict.fromkeys((
     FORWARD_OUTPUTS, FORWARD_CP_OUTPUTS, with_inverse(FORWARD_OUTPUTS), with_inverse(FORWARD_CP_OUTPUTS),
     BACKWARD_OUTPUTS, BACKWARD_FROM_INVERSE_OUTPUTS, SAVED_STATE_OUTPUTS, with_bound(BACKWARD_OUTPUTS),
