@@ -302,8 +302,7 @@ class DefaultForward:
         if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
             from .backward import compile_ahead
 
-            kept_a_g = self.keeps_a_g(use_l2)
-            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=kept_a_g,
+            compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=self.keeps_a_g(use_l2),
                           kept_w=self.keep_w, kept_bound=self.keep_bound)
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
@@ -363,7 +362,9 @@ class DefaultForward:
                 kept = {"a_r": a_r, "a_g": a_g, "factors": factors}
                 if self.keep_bound:
                     kept["log_bound"] = prep.log_bound
-            if self.keep_w:  # (the variant writes W: a buffer of the call's own, handed over where A_g is)
+            # (the variant writes W: a buffer of the call's own, handed over where A_g is; an allocation apart
+            # from kept_for_backward's, so that the backward can free it once read, ``release_w``)
+            if self.keep_w:
                 w = torch.empty(p.batch * p.seq_len, p.num_v_heads, p.head_k, dtype=self.dtype, device=self.dev)
                 prep = prep._replace(w=w)
                 if "a_g" in kept:
