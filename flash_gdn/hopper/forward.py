@@ -473,8 +473,8 @@ def _fused_forward(kernel: Launcher, q, k, v, g, beta, problem: Problem, h0, use
 def _prepare_outputs(save_states: bool, cp: bool, keep_inverse: bool = False, keep_w: bool = False,
                      keep_bound: bool = False) -> tuple[bool, ...]:
     """The forward's ``prepare_wu`` variant. A training forward that writes W for its backward runs
-    the variant that backward would have run without A_r (``BACKWARD_OUTPUTS``, with the bounds
-    where CP is on or the backward truncates): the fp32 inverse, not ``keep_r``'s."""
+    ``BACKWARD_OUTPUTS`` (with the bounds where CP is on or the backward truncates), the variant that
+    backward would have run without A_r, here by the scaled inverse that keeps A_r (``keep_r``)."""
     if save_states:
         return SAVED_STATE_OUTPUTS
     outputs = FORWARD_CP_OUTPUTS if cp else FORWARD_OUTPUTS
