@@ -281,15 +281,6 @@ class DefaultForward:
         self.outputs = FORWARD_CP_OUTPUTS if self.cp else FORWARD_OUTPUTS  # (the workspace's: A_r is per call)
         keep_all, keep_inverse = keep_inverse is True, bool(keep_inverse)
         self.keep_inverse = keep_inverse
-        # A training forward also writes W and the log bounds where its backward would otherwise run
-        # prepare_wu for them (backward.forward_keeps): W per call, the bounds in the factors.
-        self.keep_w = self.keep_bound = False
-        if keep_all:
-            from .backward import forward_keeps
-
-            self.keep_w, self.keep_bound = forward_keeps(problem, dtype, gate_dtype, index_dtype, has_h0, dev)
-            if self.keep_bound:
-                self.outputs = with_bound(self.outputs)
         # Without grouped heads the roles kernel forms the fused L2 norm's inverse query norms from
         # its own q tiles, so prepare_wu skips them (NORMALIZE_K_ONLY) and q is read once: H200,
         # forward kernel time with the norm, 32/32 x 8192x4 534 -> 494 us (s53-s54). With groups every value
@@ -299,6 +290,17 @@ class DefaultForward:
         # 69.5 -> 73.6 at 2/8. The backward runs its own prepare_wu, which writes them for it.
         self.roles = roles
         self.state_q_norms = roles and problem.num_v_heads == problem.num_qk_heads
+        # A training forward also writes W and the log bounds where its backward would otherwise run
+        # prepare_wu for them (backward.forward_keeps): W per call, the bounds in the factors. Only where
+        # it hands that backward A_g (``keeps_a_g``, as the first call's use_l2 predicts): without A_g the
+        # backward's own prepare_wu runs and writes W again, so the forward's would be thrown away.
+        self.keep_w = self.keep_bound = False
+        if keep_all and self.keeps_a_g(use_l2):
+            from .backward import forward_keeps
+
+            self.keep_w, self.keep_bound = forward_keeps(problem, dtype, gate_dtype, index_dtype, has_h0, dev)
+            if self.keep_bound:
+                self.outputs = with_bound(self.outputs)
         if keep_inverse and keep:  # a training forward's first call: its backward's kernels compile beside ours
             from .backward import compile_ahead
 

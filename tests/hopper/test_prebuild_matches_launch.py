@@ -400,3 +400,19 @@ def test_the_backward_compiled_ahead_follows_what_the_forward_hands_over(recorde
     backward.backward_stages(q, k, v, g, beta, torch.randn_like(v), None, problem, None, use_l2, cu, extras)
     (config,) = backward._CONFIGS.values()
     assert started == [(config.build_key, len(config.builders))]
+
+
+def test_a_training_forward_that_hands_over_a_r_alone_writes_no_w(recorder):
+    """With the fused L2 norm and no grouped heads the state kernel forms q's norms, so the training
+    forward hands its backward A_r alone (``keeps_a_g``); that backward's own prepare_wu writes W, so
+    the forward writes none."""
+    from flash_gdn.hopper import forward
+
+    forward.release_workspaces()
+    q, k, v, g, beta, cu, problem = _inputs([8192], 16, 16)
+    _, _, extras = forward.hopper_forward(q, k, v, g, beta, problem, None, True, True, cu, False, for_backward=True)
+    (call,) = forward._CALLS.values()
+    assert call.state_q_norms and not call.keep_w and not call.keep_bound
+    assert "a_r" in extras and "a_g" not in extras and "w" not in extras
+    variants = [args[4:10] for name, args, _ in recorder.launched if name == "build_prepare_wu"]
+    assert variants and not any(outputs[3] for outputs in variants)  # (write_w)
