@@ -58,7 +58,7 @@ from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, NO_OUT
                          without_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
-from .segment_state import build_segment_state, no_truncation, transition_sources
+from .segment_state import build_segment_state, no_starts, no_truncation, transition_sources
 from .state_grads import build_state_grads
 from .state_grads_roles import build_state_grads_roles
 from .tiles import CHUNK, TL_DTYPE, kernel_gate_dtype
@@ -493,10 +493,19 @@ class BackwardConfig:
             v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)
         if segs is not None:
             capacity = segs.seg_info.shape[0]
-            seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)
+            # Recomputing, the transitions put h_s in run_init[s + 1] and keep M alone (segment_state's
+            # h_ahead), and the forward scan runs there in place; else [h | M], h unread.
+            seg_state = torch.empty(capacity, hv, dk, dk if recompute else dv + dk, dtype=torch.float32, device=dev)
             run_init = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev) if recompute else None
+            # dS_end one slot above the first pass's b: that pass writes b_s where the reverse scan's
+            # step writes dS_end[s - 1], so the scan runs in place (segment_scan's offsets_in_out) and a
+            # step truncated at the segment's start (dS_end[s - 1] = b_s) is done by the pass itself.
+            # (A sequence's first segment writes into the previous sequence's last slot, and the slot
+            # below the first into the spare: the scan writes those last, from dht.) b then takes the
+            # second pass's start gradients.
+            ends = torch.empty(capacity + 1, hv, dk, dv, dtype=torch.float32, device=dev)
+            first_b, ds_end = ends[:capacity], ends[1:]
             b = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
-            ds_end = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
         unread_bound, trunc_flags = no_truncation(dev)
         if self.truncate:  # (segment_state writes every slot's flags)
             trunc_flags = torch.empty(capacity, hv, dtype=torch.int32, device=dev)
@@ -540,7 +549,7 @@ class BackwardConfig:
             else:
                 use(main)
                 _segment_transitions(kernels.transitions, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state,
-                                     recompute, log_bound, trunc_flags)
+                                     recompute, log_bound, trunc_flags, run_init)
                 if grads is not None:
                     transitions_ready.record(main)
                 use(grads)
@@ -548,18 +557,18 @@ class BackwardConfig:
                 # scan for every segment's dS_end, then the pass that writes dh and dV_new for real
                 # (it overwrites the first pass's). Truncated, b comes from a segment's leading window
                 # where it has one, and the scan takes b alone there (segment_state's flags).
-                kernels.state_grads(qf, kf, w, dof, *local, gamma, q_norm_inv, k_norm_inv, runs, b, scale, dh,
-                                    dv_new, b, log_bound)
+                kernels.state_grads(qf, kf, w, dof, *local, gamma, q_norm_inv, k_norm_inv, runs, first_b, scale, dh,
+                                    dv_new, first_b, log_bound)
                 if grads is not None:
                     grads.wait_event(transitions_ready)
-                kernels.reverse_scan(seg_state, b, segs.seg_meta, ds_end if dht32 is None else dht32, trunc_flags,
-                                     ds_end)
+                kernels.reverse_scan(seg_state, ds_end, segs.seg_meta, ds_end if dht32 is None else dht32,
+                                     trunc_flags, ds_end)
                 kernels.state_grads_incoming(qf, kf, w, dof, *local, gamma, q_norm_inv, k_norm_inv, runs, ds_end,
                                              scale, dh, dv_new, b, unread_bound)
             use(main)
             if recompute:
                 if segs is not None:
-                    kernels.forward_scan(seg_state, seg_state, segs.seg_meta, run_init if h0 is None else h0,
+                    kernels.forward_scan(seg_state, run_init, segs.seg_meta, run_init if h0 is None else h0,
                                          trunc_flags, run_init)
                 if grads is not None and dv_local is not None:
                     main.wait_event(local_dv_done)
@@ -577,7 +586,7 @@ class BackwardConfig:
             # Each sequence's start-state gradient, gathered only when someone reads it (a call
             # without an initial state returns none: the gather is ~60 us of host time).
             dh0 = b.index_select(0, segs.first_seg) if h0 is not None or intermediates else None
-            del b, ds_end, seg_state, run_init
+            del b, ends, first_b, ds_end, seg_state, run_init
         del w, dv_local, a_u
         if release_w:  # (read on both streams: freed after the join, as the backward's own W is)
             saved.pop("w", None)
@@ -691,24 +700,31 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v,
                                                   form_w=chunk_states_form_w(cp, block_v, dv))) if recompute else None),
         state_grads=lambda: grads(dk, dv, tl_dtype, has_dht and not cp, block_v, window=truncate, **grads_options),
         state_grads_incoming=(lambda: grads(dk, dv, tl_dtype, True, block_v)) if cp else None,
+        # The scans run in place (offsets_in_out): the transitions put each h_s where the forward scan
+        # writes S_start[s + 1] (h_ahead, recomputing), the first state-gradient pass each b_s where the
+        # reverse scan writes dS_end[s - 1] (its buffers: hopper backward).
         transitions=((lambda: build_segment_state(dk, dv, tl_dtype, recompute, truncate=truncate,
-                                                  reverse_window=truncate)) if cp else None),
-        reverse_scan=(lambda: build_segment_scan(dk, dv, has_dht, reverse=True, truncated=truncate)) if cp else None,
-        forward_scan=(lambda: build_segment_scan(dk, dv, has_h0, truncated=truncate)) if cp and recompute else None,
+                                                  reverse_window=truncate, h_ahead=recompute)) if cp else None),
+        reverse_scan=((lambda: build_segment_scan(dk, dv, has_dht, reverse=True, truncated=truncate,
+                                                  offsets_in_out=True, m_alone=recompute)) if cp else None),
+        forward_scan=((lambda: build_segment_scan(dk, dv, has_h0, truncated=truncate, offsets_in_out=True,
+                                                  m_alone=True)) if cp and recompute else None),
         wy_grads=lambda: build_wy_grads(dk, dv, tl_dtype, gate_dtype),
         qk_grads=lambda: build_qk_grads(dk, dv, tl_dtype),
     )
 
 
 def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, log_bound,
-                         trunc_flags):
-    """[h | M] of every segment into ``seg_state`` (the reverse scan needs each M but the
-    first's; truncated, only those the scans read, and ``trunc_flags`` says which). Recomputing,
-    U = A_g V is formed in the kernel. With saved chunk states only M is needed and A_g was not
-    kept: the variant that reads U runs with W (same shape, K = V) in its place, and the h
-    columns come out meaningless and unread."""
+                         trunc_flags, run_init):
+    """Every segment's M into ``seg_state`` (the reverse scan needs each M but the first's;
+    truncated, only those the scans read, and ``trunc_flags`` says which) and, recomputing, its h
+    into ``run_init``'s next slot (``segment_state``'s ``h_ahead``), U = A_g V formed in the kernel.
+    With saved chunk states only M is needed and A_g was not kept: the variant that reads U runs
+    with W (same shape, K = V) in its place, and the h columns of ``seg_state`` come out
+    meaningless and unread."""
     sources = transition_sources(v=vf, a_u=a_u) if recompute else transition_sources(u=w)
-    kernel(kf, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags)
+    starts = run_init if recompute else no_starts(kf.device)
+    kernel(kf, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags, starts)
 
 
 def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first,

@@ -9,7 +9,8 @@ sequence is cut into chunk-aligned segments that run as independent sequences:
    alone with M = 0 (``segment_state``'s truncation: the part dropped is at most e^-20 times
    the state where they start; heads whose gates do not decay stay exact);
 2. ``segment_scan``, a scan over each sequence's segments: S_start[s + 1] = M_s S_start[s] + h_s,
-   in fp32 (h_s alone where truncated);
+   in fp32 (h_s alone where truncated), in place: step 1 leaves each h_s in S_start[s + 1]'s slot,
+   so a truncated step costs the scan nothing (s72);
    ``segment_initial_states`` below is the same scan in torch ops, its reference;
 3. ``state_output`` over the segments with those initial states.
 

@@ -29,7 +29,7 @@ from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUT
                          flat_inputs, kept_for_backward, launch_prepare, prepare_buffers, run_prepare, with_bound,
                          with_factors, with_inverse, with_w)
 from .segment_scan import build_segment_scan
-from .segment_state import build_segment_state, no_truncation, transition_sources
+from .segment_state import build_segment_state, no_starts, no_truncation, transition_sources
 from .state_output import build_state_output
 from .state_output_roles import build_state_output_roles
 from .state_output_vmajor import build_state_output_vmajor
@@ -124,8 +124,12 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
                                                                                   keep_bound)),
         # The default forward's transitions form U and W S from V, K and A_g, and are truncated
         # where gates decay (segment_state); the saved-state forward's read U and W, exact.
-        (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default)) if segment_states else None,
-        (lambda: build_segment_scan(dk, dv, has_h0, truncated=not save_states)) if segment_states else None,
+        # The default forward's put h_s in S_start[s + 1]'s slot, and its scan runs there in place
+        # (segment_state's h_ahead): a truncated transition's scan step is then done.
+        (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default, h_ahead=default))
+        if segment_states else None,
+        (lambda: build_segment_scan(dk, dv, has_h0, truncated=default, offsets_in_out=default, m_alone=default))
+        if segment_states else None,
         output,
     )
 
@@ -187,10 +191,10 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)  # [h | M]
         log_bound, trunc_flags = no_truncation(dev)  # (exact transitions)
         kernels.transitions(prep.k, prep.w, *transition_sources(u=prep.u), prep.gamma, prep.k_norm_inv,
-                            segs.transition_info, log_bound, seg_state, trunc_flags)
+                            segs.transition_info, log_bound, seg_state, trunc_flags, no_starts(dev))
         seg_states = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
         final_state = _scan_and_output(kernels, state_inputs, segs, seg_state, trunc_flags, seg_states, h0,
-                                       problem.scale, o, saved, output_final_state)
+                                       problem.scale, o, saved, output_final_state, offsets_in_out=False)
     extras = dict(prepared=prep._replace(u=None), h=saved[0], v_new=saved[1])
     return o.view(batch, seq_len, hv, dv), _caller_layout(final_state, output_final_state, state_v_first), extras
 
@@ -245,8 +249,8 @@ def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens
 
 
 class _Workspace(NamedTuple):
-    """A default forward's intermediates: ``prepare_wu``'s outputs, then with CP the [h | M]
-    transitions, their truncation flags and the segment states, without CP a final state
+    """A default forward's intermediates: ``prepare_wu``'s outputs, then with CP the transitions
+    M (h_s goes to the segment states), their truncation flags and the segment states, without CP a final state
     written when the caller does not ask for it."""
 
     prep: PrepareBuffers
@@ -319,12 +323,13 @@ class DefaultForward:
         hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
         prep = prepare_buffers(p, plan.chunk_bounds.shape[0], self.dtype, dev, self.outputs)
         if self.cp and not self.lead_in:
-            # [h | M] per segment and head, then the int32 flags saying whether M is zero (one
-            # allocation); the segment states: each segment's start state in, end state out.
+            # M per segment and head, then the int32 flags saying whether M is zero (one
+            # allocation); the segment states: each segment's start state in (h_s from the
+            # transitions, then the scan's), end state out.
             capacity = plan.segments.seg_info.shape[0]
-            transition_elems = capacity * hv * dk * (dv + dk)
+            transition_elems = capacity * hv * dk * dk
             buf = torch.empty(transition_elems + capacity * hv, dtype=torch.float32, device=dev)
-            ws = _Workspace(prep, buf[:transition_elems].view(capacity, hv, dk, dv + dk),
+            ws = _Workspace(prep, buf[:transition_elems].view(capacity, hv, dk, dk),
                             buf[transition_elems:].view(torch.int32).view(capacity, hv),
                             torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev), None)
         else:
@@ -391,9 +396,9 @@ class DefaultForward:
         else:
             segs = plan.segments
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
-                                prep.log_bound, ws.seg_state, ws.trunc_flags)
+                                prep.log_bound, ws.seg_state, ws.trunc_flags, ws.seg_states)
             final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
-                                           h0, p.scale, o, q_norms, output_final_state)
+                                           h0, p.scale, o, q_norms, output_final_state, offsets_in_out=True)
         o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
         return o, _caller_layout(final_state, output_final_state, state_v_first), kept
 
@@ -417,13 +422,16 @@ def _output_pass(kernels: ForwardKernels, state_inputs: tuple, runs, final_state
 
 
 def _scan_and_output(kernels: ForwardKernels, state_inputs: tuple, segs, seg_state, trunc_flags, seg_states, h0,
-                     scale, o, extra, output_final_state: bool):
+                     scale, o, extra, output_final_state: bool, offsets_in_out: bool):
     """CP after the segment transitions: the scan writes every segment's start state into
     ``seg_states`` (from ``h0``; compiled not to read one without it), then the output kernel
     reads each segment's start state and writes its end state in place (the CTA of a (segment,
-    head) reads exactly the elements it later writes, and reads them first). Returns the
-    sequences' final states (a gather: a copy) when asked for, else None."""
-    kernels.scan(seg_state, seg_state, segs.seg_meta, seg_states if h0 is None else h0, trunc_flags, seg_states)
+    head) reads exactly the elements it later writes, and reads them first). ``offsets_in_out``:
+    the transitions put each h_s in ``seg_states`` already and ``seg_state`` is M alone
+    (``segment_state``'s ``h_ahead``), else [h | M]. Returns the sequences' final states (a
+    gather: a copy) when asked for, else None."""
+    offsets = seg_states if offsets_in_out else seg_state
+    kernels.scan(seg_state, offsets, segs.seg_meta, seg_states if h0 is None else h0, trunc_flags, seg_states)
     kernels.output(*state_inputs, segs.seg_info, seg_states, scale, o, seg_states, *extra)
     return seg_states[segs.last_seg] if output_final_state else None
 

@@ -39,6 +39,15 @@ state gradient by e^LOG_NEGLIGIBLE, in which case dS_start is b over those w chu
 bounds). M is then computed unless both windows exist, and ``trunc_flags[seg, head]`` holds
 ``TRAILING`` | ``LEADING`` for the window found at each end.
 
+``h_ahead`` (the variants whose h the forward scan reads: the default forward's, the backward's when
+it recomputes): h_s goes straight to the slot of ``starts`` ``[segments, Hv, K, V]`` (the scan's
+output) that holds S_start[s + 1], and ``seg_state`` is M alone, ``[segments, Hv, K, K]``; the scan
+runs in place there (``segment_scan``'s ``offsets_in_out``), so where a segment's transition is
+truncated its step is done here, S_start[s + 1] = h_s, and the scan neither reads nor writes it.
+A sequence's last segment (the backward hands those in: its reverse scan needs their M) writes
+its h into the next sequence's first slot, which the scan then sets to that sequence's initial
+state; the last slot of all is not written.
+
 V-major, as ``state_output_vmajor``: with X a block of [h | M], the CTA holds X^T [64, K] in
 fp32 registers and feeds its bf16 copy to wgmma as the A operand, so neither X nor
 U - W X goes through shared memory:
@@ -99,23 +108,30 @@ def leading_window(log_bound, head, first_chunk, seg_chunks, bounds, bound_sum, 
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
                         truncate: bool = False, form_w: bool = False, num_stages: int = 2,
-                        reverse_window: bool = False):
+                        reverse_window: bool = False, h_ahead: bool = False):
     """Arguments: ``(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state,
-    trunc_flags)``; without ``truncate`` the last-but-two and the last are not touched (any
-    small buffer: ``no_truncation``); with ``form_w`` (which needs ``form_u``: A_g) ``w`` is not
-    read (any small buffer). ``reverse_window`` (needs ``truncate``): the backward's flags."""
+    trunc_flags, starts)``; without ``truncate`` ``log_bound`` and ``trunc_flags`` are not touched
+    (any small buffer: ``no_truncation``); with ``form_w`` (which needs ``form_u``: A_g) ``w`` is
+    not read (any small buffer); ``starts`` is written only with ``h_ahead`` (module docstring;
+    without, any 1-D fp32 buffer: ``no_starts``). ``reverse_window`` (needs ``truncate``): the
+    backward's flags."""
     if form_w and not form_u:
         raise ValueError("segment_state: form_w needs form_u (W S is formed from K and A_g)")
     if reverse_window and (not truncate or skip_first_m):
         raise ValueError("segment_state: reverse_window needs truncate, and every M (not skip_first_m)")
     return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages,
-                                          reverse_window))
+                                          reverse_window, h_ahead))
 
 
 def no_truncation(device) -> tuple:
     """The (log_bound, trunc_flags) arguments of the variants that do not truncate."""
     device = torch.device(device)
     return unused_buffer(device, torch.float32, (1, 1)), unused_buffer(device, torch.int32, (1, 1))
+
+
+def no_starts(device) -> torch.Tensor:
+    """The ``starts`` argument of the variants without ``h_ahead`` (not touched)."""
+    return unused_buffer(torch.device(device), torch.float32, (1,))
 
 
 def transition_sources(u=None, v=None, a_u=None) -> tuple:
@@ -129,7 +145,8 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 
 @jit
-def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages, reverse_window):
+def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages, reverse_window,
+                          h_ahead=False):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -145,6 +162,8 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
     au_chunks, au_heads = T.dynamic("au_chunks"), T.dynamic("au_heads")
     bound_heads, bound_chunks = T.dynamic("bound_heads"), T.dynamic("bound_chunks")
     flag_segs, flag_heads = T.dynamic("flag_segs"), T.dynamic("flag_heads")
+    m0 = 0 if h_ahead else head_v  # M's first column in seg_state
+    starts_shape = (num_segs, num_v_heads, head_k, head_v) if h_ahead else (T.dynamic("unused_starts"),)
 
     @T.prim_func
     def segment_state(
@@ -157,8 +176,9 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         seg_info: T.Tensor((num_segs, 3), "int32"),
         log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
-        seg_state: T.Tensor((num_segs, num_v_heads, head_k, head_v + head_k), ACCUM),
+        seg_state: T.Tensor((num_segs, num_v_heads, head_k, m0 + head_k), ACCUM),
         trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
+        starts: T.Tensor(starts_shape, ACCUM),
     ):
         # Column blocks fastest, then value heads, then segments (z: at most MAX_SEGMENT_SLOTS,
         # context_parallel): the plan's unused segment slots are dispatched last.
@@ -317,7 +337,14 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
                     sink = k_tile[0, 0]
 
             if seg_end > seg_start:  # empty: a sequence's last segment, whose [h | M] nothing reads
-                for cc, i in T.Parallel(block_cols, head_k):
-                    seg_state[seg, head, i, cb * block_cols + cc] = state_t[cc, i]
+                if not h_ahead:
+                    for cc, i in T.Parallel(block_cols, head_k):
+                        seg_state[seg, head, i, cb * block_cols + cc] = state_t[cc, i]
+                elif cb >= h_blocks:
+                    for cc, i in T.Parallel(block_cols, head_k):
+                        seg_state[seg, head, i, m_col + cc] = state_t[cc, i]
+                elif seg + 1 < num_segs:  # h_s is the next segment's start state where M_s is zero
+                    for cc, i in T.Parallel(block_cols, head_k):
+                        starts[seg + 1, head, i, u_col + cc] = state_t[cc, i]
 
     return segment_state

@@ -58,18 +58,25 @@ def kernel_builders(head_dim: int, dtype: str):
     # skip_first_m: the forward's without an initial state. truncate and form_w: the default
     # forward's (form_u); the saved-state forward's (not form_u) and the backward's read W; the
     # backward's truncate with both windows (reverse_window) when it recomputes (exact with
-    # FLASH_GDN_CP_TRUNCATE=0 or the saved chunk states).
-    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr},form_w={fw},reverse_window={rw}]",
+    # FLASH_GDN_CP_TRUNCATE=0 or the saved chunk states). h_ahead: wherever form_u (the scans in place).
+    builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr},form_w={fw},reverse_window={rw},"
+                  f"h_ahead={fu}]",
                   lambda fu=fu, skip=skip, tr=tr, fw=fw, rw=rw: build_segment_state(d, d, dtype, fu, skip, tr, fw,
-                                                                                   reverse_window=rw))
+                                                                                   reverse_window=rw, h_ahead=fu))
                  for fu, skip, tr, fw, rw in ((True, False, True, True, False), (True, True, True, True, False),  # forward
                                               (False, False, False, False, False), (False, True, False, False, False),
                                               # the backward recomputing (saved: all False)
                                               (True, False, True, False, True), (True, False, False, False, False))]
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
-        builders += [(f"segment_scan[init={init},reverse={rev},truncated={tr}]",
-                      lambda init=init, rev=rev, tr=tr: build_segment_scan(d, d, init, rev, tr))
-                     for init, rev, tr in itertools.product((False, True), (False, True), (False, True))]
+        # (truncated, offsets_in_out, m_alone): forward - the saved-state forward's, the default
+        # forward's and the backward's (the backward's also exact); reverse - in place, after the
+        # backward's transitions with M alone (recomputing) or [h | M] (saved states).
+        scans = [(False, tr, io, io) for tr, io in ((False, False), (True, True), (False, True))]
+        scans += [(True, tr, True, alone) for tr, alone in itertools.product((False, True), (False, True))]
+        builders += [(f"segment_scan[init={init},reverse={rev},truncated={tr},offsets_in_out={io},m_alone={alone}]",
+                      lambda init=init, rev=rev, tr=tr, io=io, alone=alone: build_segment_scan(d, d, init, rev, tr, io,
+                                                                                               alone))
+                     for init in (False, True) for rev, tr, io, alone in scans]
     # The forward's output pass; state_output only in the mode that writes the chunk states.
     # in_place: with CP (always an initial state, the segment states).
     builders += [(f"state_output[{dtype},h0={h0},in_place={ip}]",

@@ -47,49 +47,66 @@ def test_scan_kernel_matches_reference(has_h0):
     assert rel_err(got, want) <= 1e-4, rel_err(got, want)
 
 
+def _flags_by_head(segments, hv, bits):
+    """Per value head: every segment flagged (0), none (1), at random (the rest)."""
+    flags = torch.randint(0, 4, (segments, hv), device="cuda", dtype=torch.int32)
+    flags[:, 0] = bits
+    flags[:, 1] = 0
+    return flags
+
+
 @pytest.mark.parametrize("has_h0", [False, True])
-def test_truncated_scan_steps_are_h_alone(has_h0):
-    """Where ``trunc_flags`` marks a segment, its M is not computed (poison here) and the step is
-    S_start[s + 1] = h_s; elsewhere M S_start[s] + h_s as before."""
-    lengths = [3000, 0, 129, 1, 2000]
-    hv, d = 3, 128
+def test_scan_in_place_after_h_ahead(has_h0):
+    """``offsets_in_out`` with M alone, as after ``segment_state``'s ``h_ahead``: h_s sits in out[s + 1]
+    already (the first slot of every sequence is poison), the scan runs there in place; a head whose
+    every step is truncated leaves the slots as they are, random flags mix walked and kept steps."""
+    lengths = [3000, 0, 129, 1, 2000, 700]
+    hv, d = 4, 128
     segs, seg_state = _segments(lengths, hv, d)
-    # (The backward's flags also carry LEADING, which the forward scan must ignore.)
-    flags = torch.randint(0, 4, (seg_state.shape[0], hv), device="cuda", dtype=torch.int32)
+    flags = _flags_by_head(seg_state.shape[0], hv, TRAILING)
     trailing = (flags & TRAILING).bool()
     reference_state = seg_state.clone()
-    reference_state[..., d:][trailing] = 0.0  # what the flags stand for
-    seg_state[..., d:][trailing] = float("nan")  # never computed: must not be read
+    reference_state[..., d:][trailing] = 0.0
     h0 = torch.randn(len(lengths), hv, d, d, device="cuda", dtype=torch.float64) if has_h0 else None
     expected = segment_initial_states(reference_state, segs, h0, d)
+    m_alone = seg_state[..., d:].clone()
+    m_alone[trailing] = float("nan")  # never computed: must not be read
     with poisoned():
-        out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
-        build_segment_scan(d, d, has_h0, truncated=True)(seg_state.float(), seg_state.float(), segs.seg_meta,
-                                                         (h0 if has_h0 else out).float(), flags, out)
+        out = torch.full((seg_state.shape[0], hv, d, d), float("nan"), device="cuda")
+        for first, count in zip(segs.first_seg.tolist(), segs.num_segs.tolist()):
+            for s in range(first, first + count - 1):
+                out[s + 1] = seg_state[s, ..., :d].float()
+        build_segment_scan(d, d, has_h0, truncated=True, offsets_in_out=True, m_alone=True)(
+            m_alone.float().contiguous(), out, segs.seg_meta, (h0 if has_h0 else out).float(), flags, out)
     used = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(segs.first_seg.cpu(), segs.num_segs.cpu())])
     got, want = out[used.cuda()], expected[used.cuda()]
     assert torch.isfinite(got).all()
     assert rel_err(got, want) <= 1e-4, rel_err(got, want)
 
 
+@pytest.mark.parametrize("m_alone", [False, True])
 @pytest.mark.parametrize("truncated", [False, True])
 @pytest.mark.parametrize("has_dht", [False, True])
-def test_reverse_scan_kernel_matches_loop(has_dht, truncated):
-    """out[last] = dht, out[s - 1] = M_s^T out[s] + b_s (the backward's state-gradient scan).
-    ``truncated``: where ``trunc_flags`` has LEADING the step is out[s - 1] = b_s and M_s (poison
-    here) is not read; TRAILING alone changes nothing in reverse."""
-    lengths = [3000, 0, 129, 1, 700]
-    hv, d = 2, 128
+def test_reverse_scan_in_place(has_dht, truncated, m_alone):
+    """The backward's reverse scan in place: b_s sits in out[s - 1] already (where the first
+    state-gradient pass writes it), out[last] = dht, out[s - 1] = M_s^T out[s] + b_s; truncated
+    (LEADING), out[s - 1] = b_s stays as it is; M from [h | M] or alone."""
+    lengths = [3000, 0, 129, 1, 700, 2000]
+    hv, d = 3, 128
     segs, seg_state = _segments(lengths, hv, d)
-    flags = torch.randint(0, 4, (seg_state.shape[0], hv), device="cuda", dtype=torch.int32)
+    flags = _flags_by_head(seg_state.shape[0], hv, LEADING)
     leading = (flags & LEADING).bool() if truncated else torch.zeros_like(flags, dtype=torch.bool)
     seg_state[..., d:][leading] = float("nan")
     b = torch.randn(seg_state.shape[0], hv, d, d, device="cuda", dtype=torch.float64)
     dht = torch.randn(len(lengths), hv, d, d, device="cuda", dtype=torch.float64) if has_dht else None
+    transitions = (seg_state[..., d:] if m_alone else seg_state).float().contiguous()
     with poisoned():
-        out = torch.empty(seg_state.shape[0], hv, d, d, device="cuda")
-        build_segment_scan(d, d, has_dht, reverse=True, truncated=truncated)(
-            seg_state.float(), b.float(), segs.seg_meta, (dht if has_dht else out).float(),
+        out = torch.full((seg_state.shape[0], hv, d, d), float("nan"), device="cuda")
+        for first, count in zip(segs.first_seg.tolist(), segs.num_segs.tolist()):
+            for s in range(first + 1, first + count):
+                out[s - 1] = b[s].float()
+        build_segment_scan(d, d, has_dht, reverse=True, truncated=truncated, offsets_in_out=True, m_alone=m_alone)(
+            transitions, out, segs.seg_meta, (dht if has_dht else out).float(),
             flags if truncated else no_truncation("cuda")[1], out)
     for n in range(len(lengths)):
         first, count = int(segs.first_seg[n]), int(segs.num_segs[n])

@@ -51,18 +51,27 @@ def test_transition_windows_follow_gates_and_keys():
     segs = prep.plan.segments
     capacity = segs.seg_info.shape[0]
     with poisoned():
-        seg_state = torch.empty(capacity, hv, d, 2 * d, device="cuda")
+        m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
+        starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
         flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
-        # The default forward's variant: W S formed from K and A_g (prepare_wu wrote no W).
+        # The default forward's variant: W S formed from K and A_g (prepare_wu wrote no W), h_s into
+        # starts[s + 1] (h_ahead) and M alone into m_state.
         assert prep.w is None
-        build_segment_state(d, d, "bfloat16", True, True, True, True)(
+        build_segment_state(d, d, "bfloat16", True, True, True, True, h_ahead=True)(
             prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
-            segs.transition_info, prep.log_bound, seg_state, flags)
+            segs.transition_info, prep.log_bound, m_state, flags, starts)
     expected = torch.tensor([int(truncated) for _, _, truncated in HEADS], dtype=torch.int32, device="cuda")
     for s in range(segments - 1):  # the last segment has no transition
         assert torch.equal(flags[s], expected), (s, flags[s].tolist())
-    # Each head's h over its window: finite, and for heads with a window its M is never written.
-    assert torch.isfinite(seg_state[:segments - 1, :, :, :d]).all()
+    # Each head's h over its window: finite, one slot ahead; the first slot is the scan's and the last
+    # segment's h nothing reads. M: never written for a head with a window, or for the first segment
+    # (no initial state: skip_first_m).
+    assert torch.isfinite(starts[1:segments]).all()
+    assert torch.isnan(starts[0]).all()
+    for s in range(1, segments - 1):
+        for head, (_, _, truncated) in enumerate(HEADS):
+            assert torch.isnan(m_state[s, head]).all() == truncated, (s, head)
+            assert torch.isfinite(m_state[s, head]).all() == (not truncated), (s, head)
 
 
 # Per value head of the backward's windows: which of a segment's 16 chunks decay (by e^-64 each;
@@ -106,17 +115,19 @@ def test_backward_windows_at_both_ends(from_inverse):
     segs = prep.plan.segments
     capacity = segs.seg_info.shape[0]
     with poisoned():
-        seg_state = torch.full((capacity, hv, d, 2 * d), float("nan"), device="cuda")
+        m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
+        starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
         flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
-        build_segment_state(d, d, "bfloat16", True, truncate=True, reverse_window=True)(
+        build_segment_state(d, d, "bfloat16", True, truncate=True, reverse_window=True, h_ahead=True)(
             prep.k, prep.w, *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
-            segs.seg_info, prep.log_bound, seg_state, flags)
+            segs.seg_info, prep.log_bound, m_state, flags, starts)
     expected = torch.tensor([bits for _, bits in BACKWARD_HEADS], dtype=torch.int32, device="cuda")
+    # h one slot ahead (the last segment's would go past the capacity here: not written)
+    assert torch.isfinite(starts[1:segments]).all()
     for s in range(segments):  # (the backward's transitions include each sequence's last segment)
         assert torch.equal(flags[s], expected), (s, flags[s].tolist())
-        assert torch.isfinite(seg_state[s, :, :, :d]).all()
         for head, (_, bits) in enumerate(BACKWARD_HEADS):
-            m = seg_state[s, head, :, d:]
+            m = m_state[s, head]
             if bits == TRAILING | LEADING:
                 assert torch.isnan(m).all(), (s, head)  # neither scan reads it: not computed
             else:
