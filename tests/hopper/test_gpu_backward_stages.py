@@ -108,15 +108,18 @@ def test_backward_forming_w_matches_naive_autograd(monkeypatch, inverse):
     assert config.from_forward == (inverse == "from_forward") and (config.kernels.prepare is None) == config.from_forward
 
 
-@pytest.mark.parametrize("seg_chunks,l2,h0_dht,roles", [(1, False, True, "1"), (3, True, True, "1"), (2, False, False, "1"),
-                                                       (3, False, True, "0")])
-def test_context_parallel_backward_stages_match_reference(monkeypatch, seg_chunks, l2, h0_dht, roles):
+@pytest.mark.parametrize("seg_chunks,l2,h0_dht,roles,truncate", [
+    (1, False, True, "1", "1"), (3, True, True, "1", "1"), (2, False, False, "1", "1"), (3, False, True, "0", "1"),
+    (2, False, True, "1", "0"),  # exact transitions: every scan step multiplies, in place
+])
+def test_context_parallel_backward_stages_match_reference(monkeypatch, seg_chunks, l2, h0_dht, roles, truncate):
     """Both sequential stages over segments (forward scan for chunk_states, reverse scan for
     state_grads), every intermediate against the fp64 chunked backward; strong gates with
     zero-decay heads (their transitions do not shrink). roles: as in
     ``test_chunk_states_and_state_grads_match_reference``."""
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", str(seg_chunks))
     monkeypatch.setenv("FLASH_GDN_STATE_GRADS_ROLES", roles)
+    monkeypatch.setenv("FLASH_GDN_CP_TRUNCATE", truncate)
     got, ref, real = _run([1, 0, 64, 300, 5, 129, 1000], 2, 8, 128, l2=l2, h0=h0_dht, dht=h0_dht, gate=(0.0, 20.0),
                           zero_decay_heads=2)
     _assert_stages_match(got, ref, real)

@@ -55,16 +55,18 @@ def _flags_by_head(segments, hv, bits):
     return flags
 
 
+@pytest.mark.parametrize("truncated", [False, True])
 @pytest.mark.parametrize("has_h0", [False, True])
-def test_scan_in_place_after_h_ahead(has_h0):
+def test_scan_in_place_after_h_ahead(has_h0, truncated):
     """``offsets_in_out`` with M alone, as after ``segment_state``'s ``h_ahead``: h_s sits in out[s + 1]
     already (the first slot of every sequence is poison), the scan runs there in place; a head whose
-    every step is truncated leaves the slots as they are, random flags mix walked and kept steps."""
+    every step is truncated leaves the slots as they are, random flags mix walked and kept steps.
+    Not ``truncated`` (the backward's exact transitions): every step multiplies."""
     lengths = [3000, 0, 129, 1, 2000, 700]
     hv, d = 4, 128
     segs, seg_state = _segments(lengths, hv, d)
     flags = _flags_by_head(seg_state.shape[0], hv, TRAILING)
-    trailing = (flags & TRAILING).bool()
+    trailing = (flags & TRAILING).bool() if truncated else torch.zeros_like(flags, dtype=torch.bool)
     reference_state = seg_state.clone()
     reference_state[..., d:][trailing] = 0.0
     h0 = torch.randn(len(lengths), hv, d, d, device="cuda", dtype=torch.float64) if has_h0 else None
@@ -76,8 +78,9 @@ def test_scan_in_place_after_h_ahead(has_h0):
         for first, count in zip(segs.first_seg.tolist(), segs.num_segs.tolist()):
             for s in range(first, first + count - 1):
                 out[s + 1] = seg_state[s, ..., :d].float()
-        build_segment_scan(d, d, has_h0, truncated=True, offsets_in_out=True, m_alone=True)(
-            m_alone.float().contiguous(), out, segs.seg_meta, (h0 if has_h0 else out).float(), flags, out)
+        build_segment_scan(d, d, has_h0, truncated=truncated, offsets_in_out=True, m_alone=True)(
+            m_alone.float().contiguous(), out, segs.seg_meta, (h0 if has_h0 else out).float(),
+            flags if truncated else no_truncation("cuda")[1], out)
     used = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(segs.first_seg.cpu(), segs.num_segs.cpu())])
     got, want = out[used.cuda()], expected[used.cuda()]
     assert torch.isfinite(got).all()
