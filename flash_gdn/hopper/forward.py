@@ -250,8 +250,8 @@ def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens
 
 class _Workspace(NamedTuple):
     """A default forward's intermediates: ``prepare_wu``'s outputs, then with CP the transitions
-    M (h_s goes to the segment states), their truncation flags and the segment states, without CP a final state
-    written when the caller does not ask for it."""
+    M (h_s goes to the segment states), their truncation flags and the segment states, without CP
+    a final state written when the caller does not ask for it."""
 
     prep: PrepareBuffers
     seg_state: torch.Tensor | None

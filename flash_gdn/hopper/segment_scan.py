@@ -65,7 +65,7 @@ def build_segment_scan(head_k: int, head_v: int, has_initial: bool, reverse: boo
     if offsets_in_out != (reverse or m_alone):
         raise ValueError("segment_scan: the offsets are in out exactly in reverse, or after segment_state's h_ahead "
                          "(m_alone)")
-    offset_cols = head_v if reverse or offsets_in_out else head_v + head_k
+    offset_cols = head_v if offsets_in_out else head_v + head_k
     return Launcher(_segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, truncated, offsets_in_out,
                                          m_alone))
 
