@@ -21,7 +21,9 @@ heads), one or two sequences are still cut where the lengths the device reads ma
 the same model gains a margin at equal lengths (``MANY_SEQS_CUT_STEPS``).
 Where none of that pays but the SMs hold two segments a sequence, sequences are cut into lead-in
 segments instead (``_lead_in_rule``): no transitions, no scan; each segment's CTA of the output pass
-runs the chunks before it first (``state_output_roles``' ``lead_in``).
+runs the chunks before it first (``state_output_roles``' ``lead_in``). Below the band, 3 to 8
+sequences whose CTAs fill the SMs unevenly are cut into lead-in segments too, over several waves of
+the output pass (``_wave_lead_in_rule``).
 ``FLASH_GDN_CP=0`` turns it off; ``FLASH_GDN_CP_SEGMENT_CHUNKS=n`` forces segments of n chunks;
 ``FLASH_GDN_CP_LEAD_IN=0`` / ``1``: lead-in segments never / wherever CP is on.
 """
@@ -29,6 +31,7 @@ runs the chunks before it first (``state_output_roles``' ``lead_in``).
 from __future__ import annotations
 
 import functools
+import heapq
 from typing import NamedTuple
 
 import torch
@@ -64,6 +67,17 @@ LEAD_IN_MIN_SEGMENT_CHUNKS = 8
 # 730 -> 671 us; 8/24 x 4096x8 (126 against 148, 0.851) 370 -> 359; 8/24 x 8192x4 (126 against 138)
 # 357 -> 360; 16/64 x 8192x4 (no cut; the pipeline alone) 812 -> 859.
 MANY_SEQS_CUT_STEPS = 0.85
+# Lead-in segments over several waves (``_wave_lead_in_rule``): from WAVE_MAX_SEQS + 1 sequences up to the
+# roles kernel's rank-major order (``state_output_roles.ORDER_MAX_SEQS``), segments of at least
+# WAVE_LEAD_IN_MIN_SEGMENT_CHUNKS chunks; a CTA's start and end cost WAVE_LEAD_IN_CTA_CHUNKS chunk steps
+# (fitted, s73: the longest-first model below against the output pass's kernel time at 8/24 and 16/48,
+# H200, within 5 points on nine cuts); cut where the model's steps fall to WAVE_LEAD_IN_STEPS of the
+# uncut pass's or below (8/24 x 2048x4 at 0.86 lost 13 %).
+WAVE_LEAD_IN_MAX_SEQS = 8
+WAVE_LEAD_IN_MIN_SEGMENT_CHUNKS = 16
+WAVE_LEAD_IN_MAX_SEGMENTS = 8  # (segments a sequence tried: seg_chunks = ceil(per_seq / k), k = 2 ..)
+WAVE_LEAD_IN_CTA_CHUNKS = 3.5
+WAVE_LEAD_IN_STEPS = 0.855
 # The forward's CP kernels put segment slots on grid y or z (the plan's unused slots last).
 MAX_SEGMENT_SLOTS = 65535
 
@@ -97,6 +111,8 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
     lead_in_env = env_get("FLASH_GDN_CP_LEAD_IN", "")
     if rule is None and lead_in and lead_in_env != "0" and not _overridden():
         rule = _lead_in_rule(num_seqs, num_v_heads, max_chunks, device)
+        if rule is None:
+            rule = _wave_lead_in_rule(num_seqs, num_v_heads, max_chunks, sm_count(device))
     elif rule is not None and lead_in and lead_in_env == "1":
         rule = rule._replace(lead_in=True)  # (forced: to compare the two on the pipeline's rows)
     if rule is not None and segment_capacity(max_chunks, num_seqs, rule.seg_chunks) > MAX_SEGMENT_SLOTS:
@@ -122,6 +138,62 @@ def _lead_in_rule(num_seqs: int, num_v_heads: int, max_chunks: int, device: torc
     if target_segments < TWO_SEGMENTS * num_seqs or max_chunks < TWO_SEGMENTS * LEAD_IN_MIN_SEGMENT_CHUNKS * num_seqs:
         return None
     return SegmentRule(LEAD_IN_MIN_SEGMENT_CHUNKS, target_segments, 0, True)
+
+
+def _wave_lead_in_rule(num_seqs: int, num_v_heads: int, max_chunks: int, sms: int) -> SegmentRule | None:
+    """Lead-in segments over several waves of the output pass, for 3 to WAVE_LEAD_IN_MAX_SEQS sequences
+    whose CTAs (sequences x value heads, one an SM) take more than one wave and fill the last unevenly,
+    where no rule above cuts: 8/24 x 4096x8 is 192 CTAs of 64 chunks, two waves on 132 SMs with the
+    second two-fifths full. (Where they take one wave, the uncut pass runs its chunks at the pace of an
+    SM with bandwidth to spare, and where some heads' gates do not decay their whole-sequence runs slow
+    down beside the others' segments: 8/24 x 8192x4, 96 CTAs, with every other head's gates 0, 353 ->
+    374 us; decaying 353 -> 323, none 352 -> 363.) Cut
+    into segments of s chunks (each segment's CTA running a window of the chunks before it first,
+    ``_lead_in_rule``), its CTAs fill the waves evenly where gates decay. Where they do not, a
+    segment without a short window is run by the CTA before it (``state_output_roles.lead_in_segment``),
+    so the pass is the uncut one; the roles kernel starts the CTAs rank-major (every sequence's first
+    segment first), so that such long runs start first. The model (``lead_in_wave_steps``, at equal
+    lengths: the capacity's share) picks s; cut where its steps fall to WAVE_LEAD_IN_STEPS of the uncut
+    pass's or below. H200, s73, inference forward kernel time, us, uncut / these segments, gates
+    logsigmoid(N(0, 1)) (the bench's), every other head's 0, all 0, all -0.01 a token: 8/24 x 4096x8
+    (33 chunks) 366 / 320, 365 / 327, 365 / 375, 366 / 375; 16/48 x 2048x4 (17) 192 / 174, 191 / 181,
+    191 / 200, 192 / 200. (Before a segment without a window went to the CTA before it, that segment's
+    CTA ran the whole sequence before it: 8/24 x 4096x8 at 32-chunk segments, gates 0, 366 / 429.)"""
+    if not WAVE_MAX_SEQS < num_seqs <= WAVE_LEAD_IN_MAX_SEQS or num_seqs * num_v_heads <= sms:
+        return None
+    seg_chunks, steps = _wave_lead_in_cut(max_chunks // num_seqs, num_seqs, num_v_heads, sms)
+    return SegmentRule(seg_chunks, 0, 0, True) if steps <= WAVE_LEAD_IN_STEPS else None
+
+
+@functools.lru_cache(maxsize=256)
+def _wave_lead_in_cut(per_seq: int, num_seqs: int, num_v_heads: int, sms: int) -> tuple[int, float]:
+    """(segment chunks, the model's steps there over the uncut pass's) at the best of the cuts into
+    k = 2 .. WAVE_LEAD_IN_MAX_SEGMENTS segments of ceil(per_seq / k) chunks, at least
+    WAVE_LEAD_IN_MIN_SEGMENT_CHUNKS (cached: the host path runs it per call)."""
+    uncut = lead_in_wave_steps(per_seq, per_seq, num_seqs * num_v_heads, sms)
+    best = (per_seq, 1.0)
+    for k in range(2, WAVE_LEAD_IN_MAX_SEGMENTS + 1):
+        seg_chunks = -(-per_seq // k)
+        if seg_chunks < WAVE_LEAD_IN_MIN_SEGMENT_CHUNKS:
+            break
+        steps = lead_in_wave_steps(per_seq, seg_chunks, num_seqs * num_v_heads, sms) / uncut
+        if steps < best[1]:
+            best = (seg_chunks, steps)
+    return best
+
+
+def lead_in_wave_steps(per_seq: int, seg_chunks: int, runs: int, sms: int) -> float:
+    """The lead-in output pass's time in chunk steps, modelled: ``runs`` (sequence, value head) pairs
+    of ``per_seq`` chunks cut into segments of ``seg_chunks``, a CTA each (one an SM), every segment
+    but a sequence's first with one chunk of lead-in (gates that decay), each CTA
+    WAVE_LEAD_IN_CTA_CHUNKS steps more, on ``sms`` SMs longest first."""
+    lengths = [seg_chunks] * (per_seq // seg_chunks) + ([per_seq % seg_chunks] if per_seq % seg_chunks else [])
+    ctas = sorted((length + WAVE_LEAD_IN_CTA_CHUNKS + (1 if i else 0) for i, length in enumerate(lengths)
+                   for _ in range(runs)), reverse=True)
+    finish = [0.0] * sms
+    for cta in ctas:
+        heapq.heapreplace(finish, finish[0] + cta)
+    return max(finish)
 
 
 def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentRule | None:

@@ -132,8 +132,9 @@ def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: 
     thread reads exactly the elements it writes at the end), value heads on grid x and segments
     on y, and a segment without tokens neither loads nor stores its state. ``lead_in`` (context
     parallelism without transitions): CTAs over the plan's segment slots (``seg_info`` in
-    ``seq_info``'s place, value heads on grid x), each starting a few chunks before its segment
-    (``lead_in_segment``), and four more arguments, last: the plan's ``seq_info``, ``chunk_seq``,
+    ``seq_info``'s place, value heads on grid x, slots rank-major on y: ``rank_major_slot``), each
+    starting a few chunks before its segment, or running the segments after its own that have no
+    such start (``lead_in_segment``), and four more arguments, last: the plan's ``seq_info``, ``chunk_seq``,
     ``seg_meta`` and ``prepare_wu``'s ``log_bound``; ``initial_state`` and ``final_state`` are
     per sequence."""
     if lead_in:
@@ -357,18 +358,28 @@ def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma,
     first_chunk = T.alloc_var("int32")
     num_chunks = T.alloc_var("int32")
     qk_head = T.alloc_var("int32")
-    seq_start = run_info[seq, 0]
-    seq_end = run_info[seq, 1]
-    first_chunk = run_info[seq, 2]
     lead_in = None
     if lead_in_run is not None:
-        # (lead, from_h0, write_final), and the sequence whose h0 / final state the run reads / writes
-        lead_in = T.alloc_local((3,), "int32")
+        # The slot this CTA runs: grid y in rank-major order (rank_major_slot). Then (lead,
+        # from_h0, write_final, end of the run), and the sequence whose h0 / final state the run
+        # reads / writes.
+        slot = T.alloc_local((2,), "int32")
+        rank_major_slot(lead_in_run[2], run_info.shape[0], seq, slot)
+        seq_start = run_info[slot[0], 0]
+        seq_end = run_info[slot[0], 1]
+        first_chunk = run_info[slot[0], 2]
+        lead_in = T.alloc_local((4,), "int32")
         run_seq = T.alloc_local((1,), "int32")
         bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM)
-        lead_in_segment(*lead_in_run, head, seq, seq_start, seq_end, first_chunk, bounds, lead_in, run_seq)
+        lead_in_segment(*lead_in_run, run_info, head, slot[0], slot[1], seq_start, seq_end, first_chunk, bounds, lead_in,
+                        run_seq)
         seq_start = seq_start - lead_in[0] * CHUNK
+        seq_end = lead_in[3]
         first_chunk = first_chunk - lead_in[0]
+    else:
+        seq_start = run_info[seq, 0]
+        seq_end = run_info[seq, 1]
+        first_chunk = run_info[seq, 2]
     num_chunks = T.ceildiv(seq_end - seq_start, CHUNK)
     qk_head = head // (num_v_heads // num_qk_heads)
     tx = T.get_thread_binding()
@@ -415,38 +426,125 @@ def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma,
                         empty, initial_state, o, final_state, state_seq, head, seq_start, seq_end, num_chunks, lead_in)
 
 
+# Lead-in CTAs go out rank-major (every sequence's first segment, then every second one, ...) where a
+# call has at most this many sequences: a CTA whose run covers later segments (their starts have no
+# short window, lead_in_segment) is then among the first to start, as longest-first scheduling
+# would have it, instead of behind the short segments of the sequences before its own.
+ORDER_MAX_SEQS = 8
+
+
 @T.macro
-def lead_in_segment(seq_info, chunk_seq, seg_meta, log_bound, head, slot, seg_start, seg_end, first_chunk, bounds,
-                    lead_in, run_seq):
-    """A lead-in segment's ``lead_in`` = (lead, from_h0, write_final) and ``run_seq[0]``, its
-    sequence. Its start state is the state after the sequence's earlier chunks; where the last w of
-    them shrink every state by e^LOG_NEGLIGIBLE or more (``prepare_wu``'s transition bounds, as
-    ``segment_state``'s truncation), it is the recurrence over those w chunks from zero, up to a part
-    at most e^LOG_NEGLIGIBLE times the norm of the state where they start. So the CTA runs them
-    first (lead = w, no output) where such a window of at most WINDOW_CHUNKS exists, else all of
-    the sequence's earlier chunks from its initial state (exact: no segment depends on another).
-    A slot without tokens is an empty sequence's only segment (initial state to final state) or
-    one past the plan's used slots (nothing)."""
+def rank_major_slot(seg_meta, num_slots, y, slot):
+    """``slot[0]``: the plan's segment slot of grid row ``y`` in rank-major order (rank r of sequence n
+    is its slot ``first_seg[n] + r``; within a rank, sequences in order), and ``slot[1]`` that
+    sequence, for at most ORDER_MAX_SEQS sequences; else, and for the slots past the used ones,
+    ``y`` itself and -1 (not known)."""
+    slot[0] = y
+    slot[1] = -1
+    num_seqs = seg_meta.shape[0]
+    if num_seqs <= ORDER_MAX_SEQS:
+        firsts = T.alloc_local((ORDER_MAX_SEQS,), "int32")
+        counts = T.alloc_local((ORDER_MAX_SEQS,), "int32")
+        for n in T.unroll(ORDER_MAX_SEQS):
+            firsts[n] = seg_meta[T.min(n, num_seqs - 1), 0]
+            counts[n] = T.if_then_else(n < num_seqs, seg_meta[T.min(n, num_seqs - 1), 1], 0)
+        rest = T.alloc_var("int32")
+        found = T.alloc_var("int32")
+        rest = y
+        found = T.if_then_else(y < seg_meta[num_seqs - 1, 0] + seg_meta[num_seqs - 1, 1], 0, 1)  # (a used slot)
+        for r in T.serial(num_slots):
+            if found == 0:
+                for n in T.unroll(ORDER_MAX_SEQS):
+                    if found == 0 and counts[n] > r:
+                        if rest == 0:
+                            slot[0] = firsts[n] + r
+                            slot[1] = n
+                            found = 1
+                        else:
+                            rest = rest - 1
+
+
+@T.macro
+def load_window(log_bound, head, chunk, bounds):
+    """``prepare_wu``'s transition bounds of the WINDOW_CHUNKS chunks before ``chunk`` (indices
+    clamped; ``find_window`` sums only those of the sequence)."""
+    for t in T.unroll(WINDOW_CHUNKS):
+        bounds[t] = log_bound[head, T.max(T.min(chunk - 1 - t, log_bound.shape[1] - 1), 0)]
+
+
+@T.macro
+def find_window(bounds, earlier, found):
+    """``found[0]``: whether the last w <= WINDOW_CHUNKS of the ``earlier`` chunks whose bounds
+    ``load_window`` read shrink every state by e^LOG_NEGLIGIBLE or more (as ``segment_state``'s
+    truncation); ``found[1]``: the least such w (``earlier`` where none)."""
+    bound_sum = T.alloc_var(ACCUM)
+    bound_sum = T.cast(0, ACCUM)
+    found[0] = 0
+    found[1] = earlier
+    for t in T.unroll(WINDOW_CHUNKS):
+        if found[0] == 0 and t < earlier:
+            bound_sum = bound_sum + bounds[t]
+            if bound_sum <= LOG_NEGLIGIBLE:
+                found[0] = 1
+                found[1] = t + 1
+
+
+@T.macro
+def lead_in_segment(seq_info, chunk_seq, seg_meta, log_bound, seg_info, head, slot, known_seq, seg_start, seg_end,
+                    first_chunk, bounds, lead_in, run_seq):
+    """A lead-in CTA's ``lead_in`` = (lead, from_h0, write_final, end of its run) and ``run_seq[0]``,
+    its sequence (``known_seq`` where not -1), for segment slot ``slot`` of ``seg_info``. A segment's
+    start state is the state after the sequence's earlier chunks; where the last w of them shrink
+    every state by e^LOG_NEGLIGIBLE or more (``find_window``), it is the recurrence over those w
+    chunks from zero, up to a part at most e^LOG_NEGLIGIBLE times the norm of the state where they
+    start. So the CTA of a segment that starts its sequence or has such a window runs it (lead = w,
+    no output; from the initial state where w is all of them), then its segment, then every
+    following segment of the sequence that has no such window, up to the next that has one (whose
+    CTA starts there): exact, and where gates do not decay the first segment's CTA runs the whole
+    sequence as the pass without CP would, the others nothing (their run is empty). A slot without
+    tokens is an empty sequence's only segment (initial state to final state) or one past the plan's
+    used slots (nothing). (The loads go out in three rounds where the sequence is known: the slot
+    and the next one with the sequence's bounds, then both windows' transition bounds.)"""
     lead_in[0] = 0
     lead_in[1] = 0
     lead_in[2] = 0
+    lead_in[3] = seg_end
     run_seq[0] = 0
     num_seqs = seq_info.shape[0]
     if seg_end > seg_start:
-        run_seq[0] = chunk_seq[first_chunk]
-        earlier = first_chunk - seq_info[run_seq[0], 2]  # chunks of the sequence before the segment
-        lead_in[2] = T.if_then_else(seg_end == seq_info[run_seq[0], 1], 1, 0)
-        for t in T.unroll(WINDOW_CHUNKS):  # (indices clamped; those before the sequence are not summed)
-            bounds[t] = log_bound[head, T.max(T.min(first_chunk - 1 - t, log_bound.shape[1] - 1), 0)]
-        bound_sum = T.alloc_var(ACCUM)
-        bound_sum = T.cast(0, ACCUM)
-        lead_in[0] = earlier
-        for t in T.unroll(WINDOW_CHUNKS):
-            if lead_in[0] == earlier and t < earlier:
-                bound_sum = bound_sum + bounds[t]
-                if bound_sum <= LOG_NEGLIGIBLE:
-                    lead_in[0] = t + 1
-        lead_in[1] = T.if_then_else(lead_in[0] == earlier, 1, 0)
+        if known_seq >= 0:
+            run_seq[0] = known_seq
+        else:
+            run_seq[0] = chunk_seq[first_chunk]
+        next_chunk = T.alloc_var("int32")
+        next_chunk = seg_info[T.min(slot + 1, seg_info.shape[0] - 1), 2]
+        seq_chunk = seq_info[run_seq[0], 2]  # the sequence's first chunk
+        last_slot = seg_meta[run_seq[0], 0] + seg_meta[run_seq[0], 1]  # (one past the sequence's)
+        next_bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM)
+        load_window(log_bound, head, first_chunk, bounds)
+        load_window(log_bound, head, next_chunk, next_bounds)
+        earlier = first_chunk - seq_chunk  # chunks of the sequence before the segment
+        found = T.alloc_local((2,), "int32")
+        find_window(bounds, earlier, found)
+        if earlier > 0 and found[0] == 0:  # an earlier segment's CTA runs this one
+            lead_in[3] = seg_start
+        else:
+            lead_in[0] = found[1]
+            lead_in[1] = T.if_then_else(found[1] == earlier, 1, 0)
+            # The following segments without a window of their own (the first one's bounds loaded).
+            going = T.alloc_var("int32")
+            going = 1
+            for nxt in T.serial(slot + 1, last_slot):
+                if going != 0:
+                    if nxt > slot + 1:
+                        next_chunk = seg_info[nxt, 2]
+                        load_window(log_bound, head, next_chunk, next_bounds)
+                    find_window(next_bounds, next_chunk - seq_chunk, found)
+                    if found[0] != 0:
+                        going = 0
+                    else:
+                        lead_in[3] = seg_info[nxt, 1]
+            lead_in[2] = T.if_then_else(lead_in[3] == seq_info[run_seq[0], 1], 1, 0)
     elif slot < seg_meta[num_seqs - 1, 0] + seg_meta[num_seqs - 1, 1]:
         # The sequence whose first segment this is: the last with first_seg <= slot (first_seg
         # increases strictly: every sequence has a segment).

@@ -97,8 +97,10 @@ def test_below_the_band_sequences_are_cut_by_the_device(monkeypatch):
     # More than two sequences: the device's cut only where the wave model gains a margin at equal lengths.
     assert cp.forward_segments(4, 48, 516, dev, varlen=True) == wave  # 16/48 x 8192x4: 222 steps against 276
     assert cp.forward_segments(4, 64, 516, dev, varlen=True) is None  # 16/64 x 8192x4: nothing to gain
-    assert cp.forward_segments(4, 24, 516, dev, varlen=True) is None  # 8/24 x 8192x4: 126 against 138, no margin
-    assert cp.forward_segments(8, 24, 520, dev, varlen=True) is None  # 8/24 x 4096x8: 126 against 148, just short
+    # ... elsewhere lead-in segments over several waves where they fill the SMs evenly (s73)
+    assert cp.forward_segments(4, 24, 516, dev, varlen=True) is None  # 8/24 x 8192x4: 126 against 138; one wave
+    assert cp.forward_segments(8, 24, 520, dev, varlen=True) == cp.SegmentRule(33, 0, 0, True)  # 8/24 x 4096x8
+    assert cp.forward_segments(8, 24, 520, dev, varlen=True, lead_in=False) is None
     assert cp.forward_segments(8, 48, 520, dev, varlen=True) is None  # 16/48 x 4096x8: 64-chunk sequences, no gain
     assert cp.forward_segments(2, 48, 33, dev, varlen=True) is None  # nothing to cut
     # Without cu_seqlens the lengths are known: equal ones are cut only where it pays.
@@ -112,6 +114,34 @@ def test_below_the_band_sequences_are_cut_by_the_device(monkeypatch):
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "1")  # more segment slots than a grid axis holds
     assert cp.forward_segments(2, 48, 70000, dev, varlen=True) is None
     assert cp.backward_segment_chunks_for(2, 48, 70000, dev) is None
+
+
+def test_lead_in_over_several_waves_where_the_model_gains_its_margin(monkeypatch):
+    """``_wave_lead_in_rule``: 3 to 8 sequences below the band, segments of ceil(per_seq / k) chunks
+    where the longest-first model's steps fall to WAVE_LEAD_IN_STEPS of the uncut pass's."""
+    from flash_gdn.hopper import context_parallel as cp
+    from flash_gdn.hopper.state_output_roles import ORDER_MAX_SEQS
+
+    assert cp.WAVE_LEAD_IN_MAX_SEQS <= ORDER_MAX_SEQS  # (the roles kernel orders at most that many)
+    monkeypatch.setattr(cp, "num_sms", lambda index: 132)
+    for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
+        monkeypatch.delenv(name, raising=False)
+    dev = torch.device("cuda", 0)
+    lead = cp.SegmentRule(17, 0, 0, True)
+    assert cp.forward_segments(4, 48, 132, dev, varlen=True) == lead  # 16/48 x 2048x4: 0.842
+    assert cp.forward_segments(4, 24, 132, dev, varlen=True) is None  # 8/24 x 2048x4: 0.86 (lost 13 %)
+    assert cp.forward_segments(8, 24, 136, dev, varlen=True) is None  # 8/24 x 1024x8: 16-chunk sequences
+    assert cp.forward_segments(4, 32, 516, dev, varlen=True) is None  # 16/32 x 8192x4: one wave
+    assert cp.forward_segments(4, 64, 516, dev, varlen=True) is None  # 16/64 x 8192x4: two full waves
+    assert cp.forward_segments(9, 24, 9 * 65, dev, varlen=True) is None  # more sequences than the kernel orders
+    assert cp.forward_segments(4, 24, 516, dev, varlen=True) is None  # 8/24 x 8192x4: 96 CTAs, one wave
+    assert cp.forward_segments(8, 24, 520, dev, varlen=True) == cp.SegmentRule(33, 0, 0, True)  # 8/24 x 4096x8
+    monkeypatch.setenv("FLASH_GDN_CP_LEAD_IN", "0")
+    assert cp.forward_segments(8, 24, 520, dev, varlen=True) is None
+    # The model: equal sequences longest first; 192 CTAs of 64 chunks are two waves, of 32 one and a half.
+    assert cp.lead_in_wave_steps(64, 64, 192, 132) == 2 * (64 + cp.WAVE_LEAD_IN_CTA_CHUNKS)
+    cut = cp.lead_in_wave_steps(64, 32, 192, 132)
+    assert cut < 0.85 * cp.lead_in_wave_steps(64, 64, 192, 132)
 
 
 def test_backward_cp_only_where_the_sequential_stages_leave_most_sms_idle(monkeypatch):

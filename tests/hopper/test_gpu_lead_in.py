@@ -138,3 +138,58 @@ def test_lead_in_forward_then_backward(monkeypatch):
     assert rel_err(o, o_r) <= TOL and rel_err(s, s_r) <= TOL
     for name in leaves:
         assert rel_err(leaves[name].grad, ref[name].grad) <= 2e-2, name
+
+
+# At most state_output_roles.ORDER_MAX_SEQS sequences: the CTAs go out rank-major.
+FEW_LENGTHS = [300, 0, 1000, 5, 129, 700, 64]
+
+
+@pytest.mark.parametrize("seg_chunks,h0", [(1, True), (3, False), (5, True)])
+def test_lead_in_rank_major_matches_naive(monkeypatch, seg_chunks, h0):
+    """Segments without a window of their own (every head but the fast ones, several a sequence)
+    are run by the CTA before them; with at most eight sequences the CTAs are ordered rank-major."""
+    _force_lead_in(monkeypatch, seg_chunks)
+    inputs = _inputs(FEW_LENGTHS, h0=h0)
+    _check(inputs, random_cu_seqlens(FEW_LENGTHS, device="cuda", dtype=torch.int32))
+
+
+@pytest.mark.parametrize("lengths", [FEW_LENGTHS, LENGTHS])
+def test_lead_in_without_windows_is_the_pass_without_cp(monkeypatch, lengths):
+    """Gates that do not decay: no segment after a sequence's first has a window, so the first
+    segment's CTA runs the whole sequence and the others nothing - the same arithmetic as the
+    pass without CP, to the bit."""
+    inputs = _inputs(lengths)
+    inputs["g"].zero_()
+    cu = random_cu_seqlens(lengths, device="cuda", dtype=torch.int32)
+    outs = []
+    for forced in ({"FLASH_GDN_CP": "0"}, {"FLASH_GDN_CP": "1", "FLASH_GDN_CP_SEGMENT_CHUNKS": "2",
+                                          "FLASH_GDN_CP_LEAD_IN": "1"}):
+        for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in forced.items():
+            monkeypatch.setenv(name, value)
+        with poisoned():
+            outs.append(chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_wave_lead_in_chosen_by_the_rule(monkeypatch):
+    """3 to 8 sequences whose CTAs fill the SMs unevenly: the default rule takes lead-in segments
+    over several waves (``_wave_lead_in_rule``; 24 SMs stand in for the GPU's: 4 x 8 CTAs of
+    33 chunks, two waves of which the second a third full)."""
+    for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cp, "num_sms", lambda index: 24)
+    cp._cut_steps.cache_clear()
+    cp._wave_lead_in_cut.cache_clear()
+    hopper_forward.release_workspaces()
+    lengths = [2048, 2000, 2048, 2100]
+    cu = random_cu_seqlens(lengths, device="cuda", dtype=torch.int32)
+    try:
+        _check(_inputs(lengths), cu)
+        calls = [c for c in hopper_forward._CALLS.values() if c.problem.num_seqs == 4]
+        assert calls and all(c.lead_in and c.rule == (17, 0, 0) for c in calls)
+    finally:
+        hopper_forward.release_workspaces()
+        cp._cut_steps.cache_clear()
+        cp._wave_lead_in_cut.cache_clear()
