@@ -364,7 +364,7 @@ def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma,
         # from_h0, write_final, end of the run), and the sequence whose h0 / final state the run
         # reads / writes.
         slot = T.alloc_local((2,), "int32")
-        rank_major_slot(lead_in_run[2], run_info.shape[0], seq, slot)
+        rank_major_slot(lead_in_run[2], seq, slot)
         seq_start = run_info[slot[0], 0]
         seq_end = run_info[slot[0], 1]
         first_chunk = run_info[slot[0], 2]
@@ -434,7 +434,7 @@ ORDER_MAX_SEQS = 8
 
 
 @T.macro
-def rank_major_slot(seg_meta, num_slots, y, slot):
+def rank_major_slot(seg_meta, y, slot):
     """``slot[0]``: the plan's segment slot of grid row ``y`` in rank-major order (rank r of sequence n
     is its slot ``first_seg[n] + r``; within a rank, sequences in order), and ``slot[1]`` that
     sequence, for at most ORDER_MAX_SEQS sequences; else, and for the slots past the used ones,
@@ -448,20 +448,25 @@ def rank_major_slot(seg_meta, num_slots, y, slot):
         for n in T.unroll(ORDER_MAX_SEQS):
             firsts[n] = seg_meta[T.min(n, num_seqs - 1), 0]
             counts[n] = T.if_then_else(n < num_seqs, seg_meta[T.min(n, num_seqs - 1), 1], 0)
+        ranks = T.alloc_var("int32")  # the most segments a sequence has
+        ranks = 0
+        for n in T.unroll(ORDER_MAX_SEQS):
+            ranks = T.max(ranks, counts[n])
         rest = T.alloc_var("int32")
         found = T.alloc_var("int32")
         rest = y
-        found = T.if_then_else(y < seg_meta[num_seqs - 1, 0] + seg_meta[num_seqs - 1, 1], 0, 1)  # (a used slot)
-        for r in T.serial(num_slots):
-            if found == 0:
-                for n in T.unroll(ORDER_MAX_SEQS):
-                    if found == 0 and counts[n] > r:
-                        if rest == 0:
-                            slot[0] = firsts[n] + r
-                            slot[1] = n
-                            found = 1
-                        else:
-                            rest = rest - 1
+        found = 0
+        if y < seg_meta[num_seqs - 1, 0] + seg_meta[num_seqs - 1, 1]:  # (a used slot: found within the ranks)
+            for r in T.serial(ranks):
+                if found == 0:
+                    for n in T.unroll(ORDER_MAX_SEQS):
+                        if found == 0 and counts[n] > r:
+                            if rest == 0:
+                                slot[0] = firsts[n] + r
+                                slot[1] = n
+                                found = 1
+                            else:
+                                rest = rest - 1
 
 
 @T.macro
