@@ -38,6 +38,7 @@ import torch
 
 from ..env import env_get
 from ..planning import SegmentPlan, segment_capacity, wave_cost, wave_segment_chunks
+from .state_output_roles import ORDER_MAX_SEQS
 
 MIN_SEGMENT_CHUNKS = 16
 # Rows of at most this many chunks (one 2048-token sequence and its bound) at up to
@@ -73,7 +74,7 @@ MANY_SEQS_CUT_STEPS = 0.85
 # (fitted, s73: the longest-first model below against the output pass's kernel time at 8/24 and 16/48,
 # H200, within 5 points on nine cuts); cut where the model's steps fall to WAVE_LEAD_IN_STEPS of the
 # uncut pass's or below (8/24 x 2048x4 at 0.86 lost 13 %).
-WAVE_LEAD_IN_MAX_SEQS = 8
+WAVE_LEAD_IN_MAX_SEQS = ORDER_MAX_SEQS
 WAVE_LEAD_IN_MIN_SEGMENT_CHUNKS = 16
 WAVE_LEAD_IN_MAX_SEGMENTS = 8  # (segments a sequence tried: seg_chunks = ceil(per_seq / k), k = 2 ..)
 WAVE_LEAD_IN_CTA_CHUNKS = 3.5
