@@ -84,8 +84,12 @@ def test_below_the_band_sequences_are_cut_by_the_device(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     dev = torch.device("cuda", 0)
     wave = cp.SegmentRule(cp.WAVE_MIN_SEGMENT_CHUNKS, 132, 48)
-    assert cp.forward_segments(2, 48, 514, dev, varlen=True) == wave  # 16/48 x 28672+4096 and the like
-    assert cp.forward_segments(2, 64, 130, dev, varlen=True) == wave._replace(wave_ctas=64)  # 16/64 x 4096+4096
+    # Up to eight sequences below the band: the device's cut as lead-in segments (s74), the pipeline's
+    # where lead-in segments are off.
+    lead = wave._replace(lead_in=True)
+    assert cp.forward_segments(2, 48, 514, dev, varlen=True) == lead  # 16/48 x 28672+4096 and the like
+    assert cp.forward_segments(2, 48, 514, dev, varlen=True, lead_in=False) == wave
+    assert cp.forward_segments(2, 64, 130, dev, varlen=True) == lead._replace(wave_ctas=64)  # 16/64 x 4096+4096
     # The two-segment band: the same device choice for one or two sequences, balanced for more.
     assert cp.forward_segments(2, 32, 514, dev, varlen=True) == wave._replace(wave_ctas=32)  # 8/32 x 28672+4096
     assert cp.forward_segments(1, 48, 513, dev, varlen=True) == wave  # 16/48 x 1x32768
@@ -95,7 +99,9 @@ def test_below_the_band_sequences_are_cut_by_the_device(monkeypatch):
     assert cp.forward_segments(4, 16, 516, dev, varlen=True) == cp.SegmentRule(65, 8, 0)  # 4/16 x 8192x4
     assert cp.forward_segments(1, 8, 512, dev) == cp.SegmentRule(32, 16, 0)  # 2/8 x 1x32768: above the band
     # More than two sequences: the device's cut only where the wave model gains a margin at equal lengths.
-    assert cp.forward_segments(4, 48, 516, dev, varlen=True) == wave  # 16/48 x 8192x4: 222 steps against 276
+    assert cp.forward_segments(4, 48, 516, dev, varlen=True) == lead  # 16/48 x 8192x4: 222 steps against 276
+    assert cp.forward_segments(4, 48, 516, dev, varlen=True, lead_in=False) == wave
+    assert cp.forward_segments(9, 32, 9 * 257, dev, varlen=True) == wave._replace(wave_ctas=32)  # more than the kernel orders
     assert cp.forward_segments(4, 64, 516, dev, varlen=True) is None  # 16/64 x 8192x4: nothing to gain
     # ... elsewhere lead-in segments over several waves where they fill the SMs evenly (s73)
     assert cp.forward_segments(4, 24, 516, dev, varlen=True) is None  # 8/24 x 8192x4: 126 against 138; one wave
@@ -104,8 +110,11 @@ def test_below_the_band_sequences_are_cut_by_the_device(monkeypatch):
     assert cp.forward_segments(8, 48, 520, dev, varlen=True) is None  # 16/48 x 4096x8: 64-chunk sequences, no gain
     assert cp.forward_segments(2, 48, 33, dev, varlen=True) is None  # nothing to cut
     # Without cu_seqlens the lengths are known: equal ones are cut only where it pays.
-    assert cp.forward_segments(2, 48, 512, dev) == wave  # 16/48 x 2 x 16384: 64-chunk segments pay
+    assert cp.forward_segments(2, 48, 512, dev) == lead  # 16/48 x 2 x 16384: 64-chunk segments pay
     assert cp.forward_segments(2, 64, 512, dev) is None  # 16/64 x 2 x 16384: one wave, whole
+    monkeypatch.setenv("FLASH_GDN_CP_LEAD_IN", "0")
+    assert cp.forward_segments(2, 48, 514, dev, varlen=True) == wave
+    monkeypatch.delenv("FLASH_GDN_CP_LEAD_IN")
     monkeypatch.setenv("FLASH_GDN_CP", "0")
     assert cp.forward_segments(2, 48, 514, dev, varlen=True) is None
     monkeypatch.setenv("FLASH_GDN_CP", "1")

@@ -193,11 +193,14 @@ def test_context_parallel_below_the_band_cut_on_the_device(monkeypatch, h0):
     """Below the CP band (more value heads than SMs / 2 N) the device picks the segment length
     from the lengths (planning.wave_segment_chunks): here 12 SMs, 8 value heads and a long and
     a short sequence (79 and 8 chunks), the long one cut in two (24 CTAs in two waves of 50
-    chunk steps against 16 CTAs in two of 89)."""
+    chunk steps against 16 CTAs in two of 89). Through the pipeline (lead-in segments off: by
+    default two sequences below the band run the same cut as lead-in segments,
+    ``test_gpu_lead_in``; one sequence in the band keeps the pipeline's device cut)."""
     from flash_gdn.hopper import context_parallel as cp
     from flash_gdn.planning import chunk_capacity, plan_for
 
     monkeypatch.setattr(cp, "num_sms", lambda index: 12)
+    monkeypatch.setenv("FLASH_GDN_CP_LEAD_IN", "0")
     lengths = [5000, 500]
     cu = random_cu_seqlens(lengths, device="cuda")
     rule = cp.forward_segments(2, 8, chunk_capacity(1, 5500, 2, True), torch.device("cuda"), varlen=True)

@@ -193,3 +193,27 @@ def test_wave_lead_in_chosen_by_the_rule(monkeypatch):
         hopper_forward.release_workspaces()
         cp._cut_steps.cache_clear()
         cp._wave_lead_in_cut.cache_clear()
+
+
+@pytest.mark.parametrize("sms,lengths", [(12, [3000, 2200]), (22, [6390, 6000, 6400, 6100])])
+def test_lead_in_for_sequences_below_the_band(monkeypatch, sms, lengths):
+    """Up to eight sequences whose value heads leave SMs for fewer than two segments a sequence: the
+    device's wave cut runs as lead-in segments (``context_parallel._below_band_lead_in``; a few SMs
+    stand in for the GPU's, 8 value heads: chunks 47 + 35 cut at 35 on 12, or four sequences of
+    ~100 chunks, which the many-sequence rule cuts, on 22), for heads of every kind, with and
+    without an initial state."""
+    for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cp, "num_sms", lambda index: sms)
+    cp._cut_steps.cache_clear()
+    hopper_forward.release_workspaces()
+    cu = random_cu_seqlens(lengths, device="cuda", dtype=torch.int32)
+    try:
+        for h0 in (True, False):
+            _check(_inputs(lengths, h0=h0), cu)
+        calls = [c for c in hopper_forward._CALLS.values() if c.problem.num_seqs == len(lengths)]
+        assert calls and all(c.lead_in and c.kernels.transitions is None and c.rule == (32, sms, len(HEADS))
+                             for c in calls)
+    finally:
+        hopper_forward.release_workspaces()
+        cp._cut_steps.cache_clear()
