@@ -217,3 +217,33 @@ def test_lead_in_for_sequences_below_the_band(monkeypatch, sms, lengths):
     finally:
         hopper_forward.release_workspaces()
         cp._cut_steps.cache_clear()
+
+
+def test_lead_in_below_the_band_forward_then_backward(monkeypatch):
+    """A training step whose forward took the device's wave cut as lead-in segments
+    (``_below_band_lead_in``): 12 SMs stand in, and segments of at least 8 chunks instead of 32 keep
+    the sequences short enough for the fp64 reference's autograd (15 + 8 chunks, the first cut at 8)."""
+    for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cp, "num_sms", lambda index: 12)
+    monkeypatch.setattr(cp, "WAVE_MIN_SEGMENT_CHUNKS", 8)
+    cp._cut_steps.cache_clear()
+    hopper_forward.release_workspaces()
+    lengths = [900, 500]
+    cu = random_cu_seqlens(lengths, device="cuda", dtype=torch.int32)
+    inputs = _inputs(lengths)
+    try:
+        leaves = {name: t.clone().requires_grad_(True) for name, t in inputs.items()}
+        o, s = chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True)
+        (o.float().square().sum() + s.sum()).backward()
+        calls = [c for c in hopper_forward._CALLS.values() if c.problem.num_seqs == 2]
+        assert calls and all(c.lead_in and c.rule == (8, 12, len(HEADS)) for c in calls)
+    finally:
+        hopper_forward.release_workspaces()
+        cp._cut_steps.cache_clear()
+    ref = {name: t.double().requires_grad_(True) for name, t in inputs.items()}
+    o_r, s_r = naive_recurrence(**ref, cu_seqlens=cu, output_final_state=True)
+    (o_r.square().sum() + s_r.sum()).backward()
+    assert rel_err(o, o_r) <= TOL and rel_err(s, s_r) <= TOL
+    for name in leaves:
+        assert rel_err(leaves[name].grad, ref[name].grad) <= 2e-2, name
