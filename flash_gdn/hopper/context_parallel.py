@@ -68,7 +68,8 @@ LEAD_IN_MIN_SEGMENT_CHUNKS = 8
 # the output pass reading its start states: 3-11 % where nothing is cut). s62, H200, inference
 # forward kernel time, this rule's cut against none: 16/48 x 8192x4 (model 222 against 276 steps)
 # 730 -> 671 us; 8/24 x 4096x8 (126 against 148, 0.851) 370 -> 359; 8/24 x 8192x4 (126 against 138)
-# 357 -> 360; 16/64 x 8192x4 (no cut; the pipeline alone) 812 -> 859.
+# 357 -> 360; 16/64 x 8192x4 (no cut; the pipeline alone) 812 -> 859. (Since s74 such cuts run as
+# lead-in segments up to eight sequences, ``_below_band_lead_in``: 16/48 x 8192x4 666 -> 626 us.)
 MANY_SEQS_CUT_STEPS = 0.85
 # Lead-in segments over several waves (``_wave_lead_in_rule``): from WAVE_MAX_SEQS + 1 sequences up to the
 # roles kernel's rank-major order (``state_output_roles.ORDER_MAX_SEQS``), segments of at least
@@ -117,10 +118,10 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
         rule = _lead_in_rule(num_seqs, num_v_heads, max_chunks, device)
         if rule is None:
             rule = _wave_lead_in_rule(num_seqs, num_v_heads, max_chunks, sm_count(device))
-    elif rule is not None and lead_in and (lead_in_env == "1" or (
-            lead_in_env != "0" and not _overridden() and _below_band_lead_in(num_seqs, num_v_heads, sm_count(device)))):
-        # (forced: to compare the two on the pipeline's rows; or up to eight sequences below the band)
-        rule = rule._replace(lead_in=True)
+    elif rule is not None and lead_in and lead_in_env != "0":
+        # Forced (to compare the two on the pipeline's rows), or the device's cut below the band.
+        if lead_in_env == "1" or (not _overridden() and _below_band_lead_in(num_seqs, num_v_heads, sm_count(device))):
+            rule = rule._replace(lead_in=True)
     if rule is not None and segment_capacity(max_chunks, num_seqs, rule.seg_chunks) > MAX_SEGMENT_SLOTS:
         return None  # (only where the environment forces short segments over very many chunks)
     return rule
