@@ -23,7 +23,7 @@ Where none of that pays but the SMs hold two segments a sequence, sequences are 
 segments instead (``_lead_in_rule``): no transitions, no scan; each segment's CTA of the output pass
 runs the chunks before it first (``state_output_roles``' ``lead_in``). Below the band, up to eight
 sequences take the device's cut as lead-in segments rather than through the pipeline
-(``_below_band_lead_in``), and 3 to 8 sequences whose CTAs fill the SMs unevenly where the device's
+(``_forward_rule``), and 3 to 8 sequences whose CTAs fill the SMs unevenly where the device's
 cut does not pay are cut into lead-in segments too, over several waves of the output pass
 (``_wave_lead_in_rule``).
 ``FLASH_GDN_CP=0`` turns it off; ``FLASH_GDN_CP_SEGMENT_CHUNKS=n`` forces segments of n chunks;
@@ -69,7 +69,7 @@ LEAD_IN_MIN_SEGMENT_CHUNKS = 8
 # forward kernel time, this rule's cut against none: 16/48 x 8192x4 (model 222 against 276 steps)
 # 730 -> 671 us; 8/24 x 4096x8 (126 against 148, 0.851) 370 -> 359; 8/24 x 8192x4 (126 against 138)
 # 357 -> 360; 16/64 x 8192x4 (no cut; the pipeline alone) 812 -> 859. (Since s74 such cuts run as
-# lead-in segments up to eight sequences, ``_below_band_lead_in``: 16/48 x 8192x4 666 -> 626 us.)
+# lead-in segments up to eight sequences, ``_forward_rule``: 16/48 x 8192x4 666 -> 626 us.)
 MANY_SEQS_CUT_STEPS = 0.85
 # Lead-in segments over several waves (``_wave_lead_in_rule``): from WAVE_MAX_SEQS + 1 sequences up to the
 # roles kernel's rank-major order (``state_output_roles.ORDER_MAX_SEQS``), segments of at least
@@ -108,20 +108,19 @@ def forward_segments(num_seqs: int, num_v_heads: int, max_chunks: int, device: t
     length the device finds best for the lengths it reads over one or more waves, the
     sequences whole where no cut pays; for more sequences below the band the same, where the model
     gains ``MANY_SEQS_CUT_STEPS`` at equal lengths (``_cut_may_pay``). Below the band (up to eight
-    sequences) the device's cut runs as lead-in segments (``_below_band_lead_in``). (In the band the
+    sequences) the device's cut runs as lead-in segments (``_forward_rule``). (In the band the
     two agree but where several waves of shorter segments beat one of long ones: 16/48 x 1x32768
     1.018 -> 0.882 ms with 64-chunk segments, 384 CTAs, against two segments; H200,
     docs/performance.md v20.)"""
-    rule = _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen)
     lead_in_env = env_get("FLASH_GDN_CP_LEAD_IN", "")
-    if rule is None and lead_in and lead_in_env != "0" and not _overridden():
+    lead_in_allowed = lead_in and lead_in_env != "0"
+    rule = _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen, lead_in_allowed)
+    if rule is None and lead_in_allowed and not _overridden():
         rule = _lead_in_rule(num_seqs, num_v_heads, max_chunks, device)
         if rule is None:
             rule = _wave_lead_in_rule(num_seqs, num_v_heads, max_chunks, sm_count(device))
-    elif rule is not None and lead_in and lead_in_env != "0":
-        # Forced (to compare the two on the pipeline's rows), or the device's cut below the band.
-        if lead_in_env == "1" or (not _overridden() and _below_band_lead_in(num_seqs, num_v_heads, sm_count(device))):
-            rule = rule._replace(lead_in=True)
+    elif rule is not None and lead_in and lead_in_env == "1":
+        rule = rule._replace(lead_in=True)  # (forced: to compare the two on the pipeline's rows)
     if rule is not None and segment_capacity(max_chunks, num_seqs, rule.seg_chunks) > MAX_SEGMENT_SLOTS:
         return None  # (only where the environment forces short segments over very many chunks)
     return rule
@@ -203,26 +202,24 @@ def lead_in_wave_steps(per_seq: int, seg_chunks: int, runs: int, sms: int) -> fl
     return max(finish)
 
 
-def _below_band_lead_in(num_seqs: int, num_v_heads: int, sms: int) -> bool:
-    """Up to WAVE_LEAD_IN_MAX_SEQS sequences whose value heads leave SMs for fewer than two segments a
-    sequence (the uncut pass fills more than half the SMs), which the device cuts over several waves
-    where the wave model gains (``_forward_rule``: one or two sequences, and more at a margin): there
-    the cut runs as lead-in segments, not through the pipeline. The pipeline's transitions cost a
-    pass over every segment but each sequence's last, four 64-column CTAs a segment and value head at
-    two an SM, wherever a head's gates do not decay (no window to truncate to): about as much as the
-    output pass itself at these head counts. Lead-in segments there run the uncut pass (a segment
-    without a window goes to the CTA before it), and where gates decay they need neither the
-    transitions nor the scan. H200, s74, inference forward, CUDA events over 30 calls, us, pipeline /
-    lead-in / no CP, gates logsigmoid(N(0, 1)) (the bench's), all 0, every other head's 0, all -0.01 a
-    token: 16/48 x 16384+16384 672 / 633 / 708, 1054 / 774 / 766, 897 / 789 / 781, 1055 / 782 / 755;
-    16/64 x 28672+4096 932 / 860 / 1259, 1473 / 1281 / 1385, 1172 / 1240 / 1275; 16/48 x 8192x4
-    (four sequences) 666 / 626 / 731, 857 / 771 / 760. (One sequence in the band, e.g. 16/48 x
-    1x32768, keeps the pipeline: its uncut pass fills a third of the SMs, so exact transitions pay
-    where gates do not decay.)"""
-    return num_seqs <= WAVE_LEAD_IN_MAX_SEQS and sms // num_v_heads < TWO_SEGMENTS * num_seqs
+def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen, lead_in=False) -> SegmentRule | None:
+    """The CP pipeline's rule (``forward_segments``), where ``lead_in`` (allowed) makes the device's
+    cut below the band lead-in segments for up to WAVE_LEAD_IN_MAX_SEQS sequences.
 
-
-def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentRule | None:
+    Below the band (SMs / Hv < 2 N: the uncut pass fills more than half the SMs) the device cuts
+    over several waves where the wave model gains (``_cut_may_pay``: one or two sequences, and more
+    at a margin). There the pipeline's transitions cost a pass over every segment but each
+    sequence's last, four 64-column CTAs a segment and value head at two an SM, wherever a head's
+    gates do not decay (no window to truncate to): about as much as the output pass itself at these
+    head counts. Lead-in segments run the uncut pass there (a segment without a window goes to the
+    CTA before it), and where gates decay they need neither the transitions nor the scan. H200, s74,
+    inference forward, CUDA events over 30 calls, us, pipeline / lead-in / no CP, gates
+    logsigmoid(N(0, 1)) (the bench's), all 0, every other head's 0, all -0.01 a token: 16/48 x
+    16384+16384 672 / 633 / 708, 1054 / 774 / 766, 897 / 789 / 781, 1055 / 782 / 755; 16/64 x
+    28672+4096 932 / 860 / 1259, 1473 / 1281 / 1385, 1172 / 1240 / 1275; 16/48 x 8192x4 (four
+    sequences) 666 / 626 / 731, 857 / 771 / 760. (One sequence in the band, e.g. 16/48 x 1x32768,
+    keeps the pipeline: its uncut pass fills a third of the SMs, so exact transitions pay where
+    gates do not decay.)"""
     seg_chunks = segment_chunks_for(num_seqs, num_v_heads, max_chunks, device, varlen)
     if _overridden():
         return None if seg_chunks is None else SegmentRule(seg_chunks, 0, 0)
@@ -230,7 +227,7 @@ def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen) -> SegmentR
     segments_per_seq = sms // num_v_heads / num_seqs
     below_band = segments_per_seq < TWO_SEGMENTS
     if seg_chunks is None and below_band and _cut_may_pay(num_seqs, num_v_heads, max_chunks, sms, varlen):
-        return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)
+        return SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads, lead_in and num_seqs <= WAVE_LEAD_IN_MAX_SEQS)
     if num_seqs > WAVE_MAX_SEQS or segments_per_seq >= THREE_SEGMENTS:
         return None if seg_chunks is None else SegmentRule(seg_chunks, segment_target(num_v_heads, device), 0)
     return None if seg_chunks is None else SegmentRule(WAVE_MIN_SEGMENT_CHUNKS, sms, num_v_heads)

@@ -248,7 +248,7 @@ def _segment_scan_kernel(head_k, head_v, has_initial, reverse, offset_cols, trun
                     # (Where the transition was truncated, M_s is zero to its tolerance: the step is h_s,
                     # or b_s in reverse.) In place, a step without the product leaves its slot as it is.
                     if not truncated or reads != 0:
-                        if True if not from_zero else j > 0:  # (from_zero: a compile-time choice)
+                        if not from_zero or j > 0:  # (from_zero: a compile-time choice)
                             _add_split_product(m_hi, m_lo, s_hi, s_lo, state, reverse)
                             if offsets_in_out:
                                 T.copy(state, out[_slot(seg, reverse), head, 0:head_k, col:col + BLOCK_COLS])

@@ -105,6 +105,32 @@ def leading_window(log_bound, head, first_chunk, seg_chunks, bounds, bound_sum, 
                 window[0] = t + 1
 
 
+@T.macro
+def load_window(log_bound, head, chunk, bounds):
+    """``prepare_wu``'s transition bounds of the WINDOW_CHUNKS chunks before ``chunk`` (indices
+    clamped; ``find_window`` sums only those of the sequence)."""
+    for t in T.unroll(WINDOW_CHUNKS):
+        bounds[t] = log_bound[head, T.max(T.min(chunk - 1 - t, log_bound.shape[1] - 1), 0)]
+
+
+@T.macro
+def find_window(bounds, earlier, found):
+    """``found[0]``: whether the last w <= WINDOW_CHUNKS of the ``earlier`` chunks whose bounds
+    ``load_window`` read shrink every state by e^LOG_NEGLIGIBLE or more (this kernel's trailing
+    window, for ``state_output_roles``' lead-in segments); ``found[1]``: the least such w
+    (``earlier`` where none)."""
+    bound_sum = T.alloc_var(ACCUM)
+    bound_sum = T.cast(0, ACCUM)
+    found[0] = 0
+    found[1] = earlier
+    for t in T.unroll(WINDOW_CHUNKS):
+        if found[0] == 0 and t < earlier:
+            bound_sum = bound_sum + bounds[t]
+            if bound_sum <= LOG_NEGLIGIBLE:
+                found[0] = 1
+                found[1] = t + 1
+
+
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
                         truncate: bool = False, form_w: bool = False, num_stages: int = 2,
@@ -235,8 +261,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
                 # (segment, head) finds the same. The bounds are loaded at once (indices clamped
                 # into the tensor; those past the segment's start are not summed).
                 seg_chunks = T.ceildiv(seg_end - seg_start, CHUNK)
-                for t in T.unroll(WINDOW_CHUNKS):
-                    bounds[t] = log_bound[head, T.max(T.min(first_chunk + seg_chunks - 1 - t, bound_chunks - 1), 0)]
+                load_window(log_bound, head, first_chunk + seg_chunks, bounds)
                 window = 0
                 bound_sum = T.cast(0, ACCUM)
                 for t in T.unroll(WINDOW_CHUNKS):

@@ -38,7 +38,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .launch import Launcher, jit
-from .segment_state import LOG_NEGLIGIBLE, WINDOW_CHUNKS
+from .segment_state import WINDOW_CHUNKS, find_window, load_window
 from .tiles import ACCUM, CHUNK, load_chunk_rows, set_role_registers, store_chunk_rows
 
 THREADS = 384
@@ -467,31 +467,6 @@ def rank_major_slot(seg_meta, y, slot):
                                 found = 1
                             else:
                                 rest = rest - 1
-
-
-@T.macro
-def load_window(log_bound, head, chunk, bounds):
-    """``prepare_wu``'s transition bounds of the WINDOW_CHUNKS chunks before ``chunk`` (indices
-    clamped; ``find_window`` sums only those of the sequence)."""
-    for t in T.unroll(WINDOW_CHUNKS):
-        bounds[t] = log_bound[head, T.max(T.min(chunk - 1 - t, log_bound.shape[1] - 1), 0)]
-
-
-@T.macro
-def find_window(bounds, earlier, found):
-    """``found[0]``: whether the last w <= WINDOW_CHUNKS of the ``earlier`` chunks whose bounds
-    ``load_window`` read shrink every state by e^LOG_NEGLIGIBLE or more (as ``segment_state``'s
-    truncation); ``found[1]``: the least such w (``earlier`` where none)."""
-    bound_sum = T.alloc_var(ACCUM)
-    bound_sum = T.cast(0, ACCUM)
-    found[0] = 0
-    found[1] = earlier
-    for t in T.unroll(WINDOW_CHUNKS):
-        if found[0] == 0 and t < earlier:
-            bound_sum = bound_sum + bounds[t]
-            if bound_sum <= LOG_NEGLIGIBLE:
-                found[0] = 1
-                found[1] = t + 1
 
 
 @T.macro

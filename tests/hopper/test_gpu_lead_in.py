@@ -202,7 +202,7 @@ def test_wave_lead_in_chosen_by_the_rule(monkeypatch):
 @pytest.mark.parametrize("sms,lengths", [(12, [3000, 2200]), (22, [6390, 6000, 6400, 6100])])
 def test_lead_in_for_sequences_below_the_band(monkeypatch, sms, lengths):
     """Up to eight sequences whose value heads leave SMs for fewer than two segments a sequence: the
-    device's wave cut runs as lead-in segments (``context_parallel._below_band_lead_in``; a few SMs
+    device's wave cut runs as lead-in segments (``context_parallel._forward_rule``; a few SMs
     stand in for the GPU's, 8 value heads: chunks 47 + 35 cut at 35 on 12, or four sequences of
     ~100 chunks, which the many-sequence rule cuts, on 22), for heads of every kind, with and
     without an initial state."""
@@ -225,7 +225,7 @@ def test_lead_in_for_sequences_below_the_band(monkeypatch, sms, lengths):
 
 def test_lead_in_below_the_band_forward_then_backward(monkeypatch):
     """A training step whose forward took the device's wave cut as lead-in segments
-    (``_below_band_lead_in``): 12 SMs stand in, and segments of at least 8 chunks instead of 32 keep
+    (``context_parallel._forward_rule``): 12 SMs stand in, and segments of at least 8 chunks instead of 32 keep
     the sequences short enough for the fp64 reference's autograd (15 + 8 chunks, the first cut at 8)."""
     for name in ("FLASH_GDN_CP", "FLASH_GDN_CP_SEGMENT_CHUNKS", "FLASH_GDN_CP_LEAD_IN"):
         monkeypatch.delenv(name, raising=False)
