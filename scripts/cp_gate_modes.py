@@ -1,6 +1,7 @@
 """How the forward's context-parallel paths fare across gate regimes, on a GPU host.
 
     python3 scripts/cp_gate_modes.py 16/48:16384+16384 16/64:1x32768 [--modes decay,none,mixed,slow]
+        [--settings pipeline,lead-in,no CP]
 
 For each row and gate regime, the inference forward (``chunk_gated_delta_rule`` under no_grad)
 is timed under four settings, alternated twice in one process, best of the two:
@@ -72,26 +73,30 @@ def use_setting(env: dict) -> None:
     os.environ.update(env)
 
 
-def main(specs: list[str], regimes: list[str]) -> None:
-    print("row regime " + " ".join(f"{name:>9s}" for name in SETTINGS) + "  (us a call)")
+def main(specs: list[str], regimes: list[str], settings: list[str]) -> None:
+    unknown = [name for name in settings if name not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
+    print("row regime " + " ".join(f"{name:>9s}" for name in settings) + "  (us a call)")
     for spec in specs:
         base = row_inputs(spec)
         for regime in regimes:
             inputs = dict(base, g=gates_for(regime, base["g"]))
             best = {}
             for _ in range(2):
-                for name, env in SETTINGS.items():
-                    use_setting(env)
+                for name in settings:
+                    use_setting(SETTINGS[name])
                     best[name] = min(best.get(name, float("inf")), per_call_us(inputs))
             use_setting({})
-            print(f"{spec} {regime:6s} " + " ".join(f"{best[name]:9.1f}" for name in SETTINGS), flush=True)
+            print(f"{spec} {regime:6s} " + " ".join(f"{best[name]:9.1f}" for name in settings), flush=True)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    modes = "decay,none,mixed,slow"
-    if "--modes" in args:
-        i = args.index("--modes")
-        modes = args[i + 1]
-        del args[i:i + 2]
-    main(args or ["16/48:16384+16384"], modes.split(","))
+    chosen = {"--modes": "decay,none,mixed,slow", "--settings": ",".join(SETTINGS)}
+    for flag in chosen:
+        if flag in args:
+            i = args.index(flag)
+            chosen[flag] = args[i + 1]
+            del args[i:i + 2]
+    main(args or ["16/48:16384+16384"], chosen["--modes"].split(","), chosen["--settings"].split(","))

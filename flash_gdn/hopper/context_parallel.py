@@ -12,7 +12,10 @@ sequence is cut into chunk-aligned segments that run as independent sequences:
    in fp32 (h_s alone where truncated), in place: step 1 leaves each h_s in S_start[s + 1]'s slot,
    so a truncated step costs the scan nothing (s72);
    ``segment_initial_states`` below is the same scan in torch ops, its reference;
-3. ``state_output`` over the segments with those initial states.
+3. ``state_output`` over the segments with those initial states. (With the roles output kernel,
+   V = 128, a segment whose predecessor's transition is truncated runs that window itself from
+   zero instead of reading its start state, and ``segment_state`` forms such a window's h only
+   where the scan reads it: ``segment_state``'s ``defer_windows``, s75.)
 
 Everything is planned on the device from ``cu_seqlens``; the host only uses shapes. Where
 sequences x value heads fill fewer SMs than two segments a sequence need (48 and 64 value

@@ -112,9 +112,10 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         # sequence and head: faster than two CTAs of 64 columns even on an underfilled GPU,
         # 6.1 vs 6.9 us per chunk, H200)
         output = lambda: build_state_output(dk, dv, tl_dtype, output_h0, dv, in_place=cp)  # noqa: E731
-    elif roles:  # the same products, explicit warpgroup roles (never split; in place with CP)
+    elif roles:  # the same products, explicit warpgroup roles (never split; in place with CP, running the
+        # truncated transitions' windows itself: segment_state's defer_windows)
         output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0, in_place=segment_states,  # noqa: E731
-                                                  lead_in=lead_in)
+                                                  lead_in=lead_in, windows=segment_states)
     else:  # the state as a register operand; W S formed from K and A_g (W is not written)
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, True, split_v=split,  # noqa: E731
                                                    in_place=cp)
@@ -126,7 +127,8 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         # where gates decay (segment_state); the saved-state forward's read U and W, exact.
         # The default forward's put h_s in S_start[s + 1]'s slot, and its scan runs there in place
         # (segment_state's h_ahead): a truncated transition's scan step is then done.
-        (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default, h_ahead=default))
+        (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default, h_ahead=default,
+                                     defer_windows=default and roles))
         if segment_states else None,
         (lambda: build_segment_scan(dk, dv, has_h0, truncated=default, offsets_in_out=default, m_alone=default))
         if segment_states else None,
@@ -397,8 +399,10 @@ class DefaultForward:
             segs = plan.segments
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
                                 prep.log_bound, ws.seg_state, ws.trunc_flags, ws.seg_states)
+            # (the roles kernel reads the flags: it runs the truncated transitions' windows itself)
+            extra = (*q_norms, ws.trunc_flags) if self.roles else q_norms
             final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
-                                           h0, p.scale, o, q_norms, output_final_state, offsets_in_out=True)
+                                           h0, p.scale, o, extra, output_final_state, offsets_in_out=True)
         o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
         return o, _caller_layout(final_state, output_final_state, state_v_first), kept
 

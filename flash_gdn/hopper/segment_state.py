@@ -39,6 +39,14 @@ state gradient by e^LOG_NEGLIGIBLE, in which case dS_start is b over those w chu
 bounds). M is then computed unless both windows exist, and ``trunc_flags[seg, head]`` holds
 ``TRAILING`` | ``LEADING`` for the window found at each end.
 
+``defer_windows`` (the default forward with the roles output kernel, ``h_ahead``): where a segment's
+transition is truncated, its h over the window is not formed here unless the scan needs it (the next
+segment's own transition is exact and the scan multiplies S_start[s + 1] by it); the output kernel's
+CTA of segment s + 1 runs the window itself from zero (``state_output_roles``' ``windows``), as a
+lead-in segment does. ``trunc_flags[seg, head]`` then also holds the window's length,
+``TRAILING | w << WINDOW_SHIFT``, for that CTA. Where every transition is truncated, this kernel's
+CTAs only find their windows and exit (s75).
+
 ``h_ahead`` (the variants whose h the forward scan reads: the default forward's, the backward's when
 it recomputes): h_s goes straight to the slot of ``starts`` ``[segments, Hv, K, V]`` (the scan's
 output) that holds S_start[s + 1], and ``seg_state`` is M alone, ``[segments, Hv, K, K]``; the scan
@@ -85,6 +93,8 @@ LOG_NEGLIGIBLE = -20.0  # log of the largest factor a truncated state part may c
 # trunc_flags bits: a window at the segment's end (the forward scan takes h_s alone) and one at its
 # start (the backward's reverse scan takes b_s alone).
 TRAILING, LEADING = 1, 2
+# ``defer_windows``: the trailing window's length in trunc_flags above the flag bits.
+WINDOW_SHIFT = 4
 
 
 @T.macro
@@ -134,19 +144,22 @@ def find_window(bounds, earlier, found):
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
                         truncate: bool = False, form_w: bool = False, num_stages: int = 2,
-                        reverse_window: bool = False, h_ahead: bool = False):
+                        reverse_window: bool = False, h_ahead: bool = False, defer_windows: bool = False):
     """Arguments: ``(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state,
     trunc_flags, starts)``; without ``truncate`` ``log_bound`` and ``trunc_flags`` are not touched
     (any small buffer: ``no_truncation``); with ``form_w`` (which needs ``form_u``: A_g) ``w`` is
     not read (any small buffer); ``starts`` is written only with ``h_ahead`` (module docstring;
     without, any 1-D fp32 buffer: ``no_starts``). ``reverse_window`` (needs ``truncate``): the
-    backward's flags."""
+    backward's flags. ``defer_windows`` (needs ``truncate`` and ``h_ahead``, not ``reverse_window``):
+    truncated windows' h only where the scan reads it (module docstring)."""
+    if defer_windows and (not truncate or not h_ahead or reverse_window):
+        raise ValueError("segment_state: defer_windows needs truncate and h_ahead, without reverse_window")
     if form_w and not form_u:
         raise ValueError("segment_state: form_w needs form_u (W S is formed from K and A_g)")
     if reverse_window and (not truncate or skip_first_m):
         raise ValueError("segment_state: reverse_window needs truncate, and every M (not skip_first_m)")
     return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages,
-                                          reverse_window, h_ahead))
+                                          reverse_window, h_ahead, defer_windows))
 
 
 def no_truncation(device) -> tuple:
@@ -172,7 +185,7 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 @jit
 def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages, reverse_window,
-                          h_ahead=False):
+                          h_ahead=False, defer_windows=False):
     tokens = T.dynamic("tokens")
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
@@ -239,6 +252,8 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
             seg_chunks = T.alloc_var("int32") if truncate else None
             lead = T.alloc_local((1,), "int32") if reverse_window else None
             lead_sum = T.alloc_local((1,), ACCUM) if reverse_window else None
+            next_chunks = T.alloc_var("int32") if defer_windows else None  # (the next segment's)
+            next_window = T.alloc_var("int32") if defer_windows else None
             # 96 KB of shared memory (K = 128): two CTAs per SM.
             T.annotate_min_blocks_per_sm(2)
             T.annotate_producer_reg_dealloc(24)
@@ -283,10 +298,30 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
                     else:  # h over the window alone (segments before a sequence's last have whole chunks)
                         seg_start = seg_end - window * CHUNK
                         first_chunk = first_chunk + seg_chunks - window
+                        if defer_windows:
+                            # Only the scan's step of the next segment reads h_s, and only where that
+                            # segment's transition is exact (it multiplies S_start[s + 1] by M_{s + 1}); the
+                            # output kernel's CTA of segment s + 1 runs this window itself. (The next
+                            # segment's entry is empty where it is its sequence's last: no step.)
+                            next_chunks = T.ceildiv(seg_info[T.min(seg + 1, num_segs - 1), 1]
+                                                    - seg_info[T.min(seg + 1, num_segs - 1), 0], CHUNK)
+                            load_window(log_bound, head, seg_info[T.min(seg + 1, num_segs - 1), 2] + next_chunks,
+                                        bounds)
+                            next_window = 0
+                            bound_sum = T.cast(0, ACCUM)
+                            for t in T.unroll(WINDOW_CHUNKS):
+                                if next_window == 0 and t < next_chunks:
+                                    bound_sum = bound_sum + bounds[t]
+                                    if bound_sum <= LOG_NEGLIGIBLE:
+                                        next_window = t + 1
+                            if seg + 1 >= num_segs or next_chunks == 0 or next_window > 0:
+                                seg_end = seg_start  # nothing reads it: nothing to do, nothing written
                 if cb == 0 and T.get_thread_binding() == 0:
                     if reverse_window:
                         trunc_flags[seg, head] = (T.if_then_else(window > 0, TRAILING, 0)
                                                   + T.if_then_else(lead[0] > 0, LEADING, 0))
+                    elif defer_windows:
+                        trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING + window * (1 << WINDOW_SHIFT), 0)
                     else:
                         trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING, 0)
             # X^T = 0 for h, the identity's columns (= its rows) for M.

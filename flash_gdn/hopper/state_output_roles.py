@@ -38,7 +38,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from .launch import Launcher, jit
-from .segment_state import WINDOW_CHUNKS, find_window, load_window
+from .segment_state import WINDOW_CHUNKS, WINDOW_SHIFT, find_window, load_window
 from .tiles import ACCUM, CHUNK, load_chunk_rows, set_role_registers, store_chunk_rows
 
 THREADS = 384
@@ -122,7 +122,7 @@ __device__ __forceinline__ void flash_gdn_store_acc_float16(const float* acc, vo
 
 @functools.lru_cache(maxsize=None)
 def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = STAGES,
-                             in_place: bool = False, lead_in: bool = False):
+                             in_place: bool = False, lead_in: bool = False, windows: bool = False):
     """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True,
     in_place=in_place)`` (W is not read) and one more, last: ``q_norms`` (int), 1 where the
     producer forms the fused L2 norm's inverse query norms from the q tile (``stage_q_norms``;
@@ -136,10 +136,16 @@ def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: 
     starting a few chunks before its segment, or running the segments after its own that have no
     such start (``lead_in_segment``), and four more arguments, last: the plan's ``seq_info``, ``chunk_seq``,
     ``seg_meta`` and ``prepare_wu``'s ``log_bound``; ``initial_state`` and ``final_state`` are
-    per sequence."""
+    per sequence. ``windows`` (with ``in_place``, after ``segment_state``'s ``defer_windows``): one more
+    argument, last: the transitions' ``trunc_flags``; where segment s - 1's transition was truncated
+    to a window of w chunks, the CTA of segment s runs those w chunks from zero first (no output)
+    instead of reading its start state, which the transitions then did not form."""
     if lead_in:
         assert not in_place, "lead-in segments read h0 and write final states, not segment states"
         return Launcher(_state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stages))
+    if windows:
+        assert in_place, "windows are the CP pipeline's (in place)"
+        return Launcher(_state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stages))
     return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_place))
 
 
@@ -334,10 +340,13 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
 
 @T.macro
 def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, initial_state,
-              scale, o, final_state, q_norms, num_v_heads, num_qk_heads, seq, head, run_info, lead_in_run):
+              scale, o, final_state, q_norms, num_v_heads, num_qk_heads, seq, head, run_info, lead_in_run,
+              window_flags=None):
     """One CTA: the roles over one run, ``run_info[seq]`` (first token, one-past-last token, first
     chunk), or with ``lead_in_run`` = ``(seq_info, chunk_seq, seg_meta, log_bound)`` over segment slot
-    ``seq`` of ``run_info`` (the plan's seg_info) with its lead-in (``lead_in_segment``)."""
+    ``seq`` of ``run_info`` (the plan's seg_info) with its lead-in (``lead_in_segment``), or (in place)
+    with ``window_flags``, the transitions' ``trunc_flags``, from the window of the segment before it
+    where that segment's transition was truncated (``segment_state``'s ``defer_windows``)."""
     q_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
     k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
     v_s = T.alloc_shared((stages, CHUNK, 2 * WG_ROWS), dtype)
@@ -380,6 +389,19 @@ def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma,
         seq_start = run_info[seq, 0]
         seq_end = run_info[seq, 1]
         first_chunk = run_info[seq, 2]
+    if window_flags is not None:
+        # (lead, read the start state, write the end state): segment seq - 1's trailing window of w
+        # chunks (its flag's length; 0 where it has none, where it is the previous sequence's last
+        # segment, or an unused slot) is run from zero, as the transitions' truncation would have
+        # formed S_start (docs: DESIGN section 4); an empty segment neither reads nor writes.
+        lead_in = T.alloc_local((4,), "int32")
+        lead_in[0] = 0
+        if seq > 0 and seq_end > seq_start:
+            lead_in[0] = T.shift_right(window_flags[T.max(seq - 1, 0), head], WINDOW_SHIFT)
+        lead_in[2] = T.if_then_else(seq_end > seq_start, 1, 0)
+        lead_in[1] = T.if_then_else(lead_in[0] == 0, lead_in[2], 0)
+        seq_start = seq_start - lead_in[0] * CHUNK
+        first_chunk = first_chunk - lead_in[0]
     num_chunks = T.ceildiv(seq_end - seq_start, CHUNK)
     qk_head = head // (num_v_heads // num_qk_heads)
     tx = T.get_thread_binding()
@@ -582,6 +604,48 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
                       g1 if in_place else g0, g0 if in_place else g1, seq_info, None)
 
     return state_output_roles
+
+
+@jit
+def _state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stages):
+    """``build_state_output_roles``' ``windows`` variant: in place, and ``trunc_flags`` last."""
+    assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
+    assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
+    tokens = T.dynamic("tokens")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_segs = T.dynamic("num_segs")
+    num_chunks_total = T.dynamic("num_chunks")
+    flag_segs = T.dynamic("flag_segs")
+    flag_heads = T.dynamic("flag_heads")
+    w_tokens = T.dynamic("w_tokens")
+    w_heads = T.dynamic("w_heads")
+
+    @T.prim_func
+    def state_output_roles_windows(
+        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        w: T.Tensor((w_tokens, w_heads, head_k), dtype),
+        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        a_u: T.Tensor((num_chunks_total, num_v_heads, CHUNK, CHUNK), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
+        q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
+        seg_info: T.Tensor((num_segs, 3), "int32"),
+        initial_state: T.Tensor((num_segs, num_v_heads, head_k, head_v), ACCUM),
+        scale: T.float32,
+        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        final_state: T.Tensor((num_segs, num_v_heads, head_k, head_v), ACCUM),
+        q_norms: T.int32,
+        trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
+    ):
+        # (value heads on grid x, segments on y: the plan's unused slots last, as in place above)
+        with T.Kernel(num_v_heads, num_segs, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
+            roles_cta(head_k, dtype, stages, has_initial, True, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
+                      initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads, g1, g0, seg_info,
+                      None, trunc_flags)
+
+    return state_output_roles_windows
 
 
 @jit

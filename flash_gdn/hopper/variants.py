@@ -59,14 +59,18 @@ def kernel_builders(head_dim: int, dtype: str):
     # forward's (form_u); the saved-state forward's (not form_u) and the backward's read W; the
     # backward's truncate with both windows (reverse_window) when it recomputes (exact with
     # FLASH_GDN_CP_TRUNCATE=0 or the saved chunk states). h_ahead: wherever form_u (the scans in place).
+    # defer_windows: the default forward's with the roles output kernel (V = 128), which runs the
+    # truncated windows itself.
     builders += [(f"segment_state[{dtype},form_u={fu},skip_first_m={skip},truncate={tr},form_w={fw},reverse_window={rw},"
-                  f"h_ahead={fu}]",
-                  lambda fu=fu, skip=skip, tr=tr, fw=fw, rw=rw: build_segment_state(d, d, dtype, fu, skip, tr, fw,
-                                                                                   reverse_window=rw, h_ahead=fu))
-                 for fu, skip, tr, fw, rw in ((True, False, True, True, False), (True, True, True, True, False),  # forward
-                                              (False, False, False, False, False), (False, True, False, False, False),
-                                              # the backward recomputing (saved: all False)
-                                              (True, False, True, False, True), (True, False, False, False, False))]
+                  f"h_ahead={fu},defer_windows={dw}]",
+                  lambda fu=fu, skip=skip, tr=tr, fw=fw, rw=rw, dw=dw: build_segment_state(
+                      d, d, dtype, fu, skip, tr, fw, reverse_window=rw, h_ahead=fu, defer_windows=dw))
+                 for fu, skip, tr, fw, rw, dw in (
+                     (True, False, True, True, False, False), (True, True, True, True, False, False),  # forward
+                     *(((True, False, True, True, False, True), (True, True, True, True, False, True)) if d == 128 else ()),
+                     (False, False, False, False, False, False), (False, True, False, False, False, False),
+                     # the backward recomputing (saved: all False)
+                     (True, False, True, False, True, False), (True, False, False, False, False, False))]
     if dtype == DTYPES[0]:  # fp32 only: one variant per head size
         # (truncated, offsets_in_out, m_alone): forward - the saved-state forward's, the default
         # forward's and the backward's (the backward's also exact); reverse - in place, after the
@@ -96,6 +100,9 @@ def kernel_builders(head_dim: int, dtype: str):
         builders += [(f"state_output_roles[{dtype},h0={h0},in_place={ip}]",
                       lambda h0=h0, ip=ip: build_state_output_roles(d, d, dtype, h0, in_place=ip))
                      for h0, ip in ((False, False), (True, False), (True, True))]
+        # in place, running the truncated transitions' windows (segment_state's defer_windows)
+        builders.append((f"state_output_roles[{dtype},h0=True,in_place=True,windows=True]",
+                         lambda: build_state_output_roles(d, d, dtype, True, in_place=True, windows=True)))
         # lead-in segments (CP without transitions, context_parallel._lead_in_rule)
         builders += [(f"state_output_roles[{dtype},h0={h0},lead_in=True]",
                       lambda h0=h0: build_state_output_roles(d, d, dtype, h0, lead_in=True))

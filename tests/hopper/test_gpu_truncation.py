@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from flash_gdn import chunk_gated_delta_rule
 from flash_gdn.hopper.prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, FORWARD_CP_OUTPUTS, run_prepare,
                                          unused_buffer, with_bound, with_inverse)
-from flash_gdn.hopper.segment_state import LEADING, TRAILING, build_segment_state, transition_sources
+from flash_gdn.hopper.segment_state import LEADING, TRAILING, WINDOW_SHIFT, build_segment_state, transition_sources
 from flash_gdn.reference import naive_recurrence
 from flash_gdn.validation import Problem
 from tests.gpu_helpers import poisoned
@@ -72,6 +72,94 @@ def test_transition_windows_follow_gates_and_keys():
         for head, (_, _, truncated) in enumerate(HEADS):
             assert torch.isnan(m_state[s, head]).all() == truncated, (s, head)
             assert torch.isfinite(m_state[s, head]).all() == (not truncated), (s, head)
+
+
+# Per value head of the deferred windows (``defer_windows``, four segments): the segments whose
+# tokens decay (gate -1 a token, else 0; -0.05 on every token: windows of seven chunks), and the
+# start-state slots the transitions write: h_s goes to slot s + 1 where segment s is exact, or
+# where it is truncated but segment s + 1's transition is exact (the scan multiplies S_start[s + 1]
+# there); segment 3 is the sequence's last (no transition).
+DEFERRED_HEADS = [
+    ((0, 1, 2, 3), ()),  # every transition truncated: no h at all
+    ((), (1, 2, 3)),  # none truncated
+    ((0,), (1, 2, 3)),  # h_0 for segment 1's exact step
+    ((1,), (1, 2, 3)),
+    ((0, 1), (2, 3)),  # h_0 not (segment 1's window), h_1 for segment 2's exact step
+    ((2,), (1, 2)),  # h_2 not: segment 3 is the last
+    ((1, 2), (1,)),
+    ("slow", ()),
+]
+
+
+def test_deferred_windows_form_only_what_the_scan_reads():
+    """The default forward's transitions with the roles output kernel (``defer_windows``): a
+    truncated segment's h over its window is formed only where the scan's next step multiplies it
+    (the output kernel's CTA runs the other windows itself), and the flags carry each window's length."""
+    segments, hqk, hv, d = 4, 2, len(DEFERRED_HEADS), 128
+    t = segments * SEG_CHUNKS * 64
+    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    g = torch.zeros(1, segments, SEG_CHUNKS * 64, hv, device="cuda")
+    for head, (decaying, _) in enumerate(DEFERRED_HEADS):
+        if decaying == "slow":
+            g[..., head] = -0.05
+        for s in (() if decaying == "slow" else decaying):
+            g[0, s, :, head] = -1.0
+    g = g.reshape(1, t, hv)
+    beta = 0.9 * torch.rand(1, t, hv, device="cuda")
+    problem = Problem(1, t, hqk, hv, d, d, 1, d ** -0.5)
+    prep = run_prepare(q, k, v, g, beta, problem, None, False, SEG_CHUNKS, FORWARD_CP_OUTPUTS)
+    segs = prep.plan.segments
+    capacity = segs.seg_info.shape[0]
+    with poisoned():
+        m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
+        starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
+        flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
+        build_segment_state(d, d, "bfloat16", True, True, True, True, h_ahead=True, defer_windows=True)(
+            prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma,
+            prep.k_norm_inv, segs.transition_info, prep.log_bound, m_state, flags, starts)
+    for head, (decaying, written) in enumerate(DEFERRED_HEADS):
+        for s in range(segments):
+            truncated = s < segments - 1 and (decaying == "slow" or s in decaying)
+            window = 7 if decaying == "slow" else 1
+            assert flags[s, head].item() == (TRAILING | window << WINDOW_SHIFT if truncated else 0), (head, s)
+        for slot in range(1, segments):
+            h = starts[slot, head]
+            assert (torch.isfinite(h).all() if slot in written else torch.isnan(h).all()), (head, slot)
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_forward_through_deferred_windows_matches_naive(monkeypatch, h0):
+    """The whole default forward where truncated and exact transitions alternate along a sequence,
+    so that the output kernel runs some segments' windows and reads others' start states from the
+    scan, which in turn reads the h that the transitions still formed: two ragged sequences of
+    4-chunk segments, each value head decaying (-1 a token), slowly decaying (-0.05) or not at all by
+    segment in its own pattern, outputs poisoned."""
+    from flash_gdn import release_workspaces
+
+    monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "4")
+    lengths, hqk, hv, d = [3000, 1700], 2, 8, 128
+    t = sum(lengths)
+    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    cu = torch.tensor([0, lengths[0], t], dtype=torch.int32, device="cuda")
+    # per value head, the gate of each segment in turn (cycled): -1, -0.05 or 0 a token
+    patterns = [(-1.0,), (0.0,), (-1.0, 0.0), (0.0, -1.0), (-1.0, -1.0, 0.0), (-0.05, 0.0, -1.0), (0.0, 0.0, -1.0),
+                (-0.05,)]
+    segment = torch.cat([torch.arange(n) for n in lengths]) // (4 * 64)  # each token's segment in its sequence
+    g = torch.stack([torch.tensor(p)[segment % len(p)] for p in patterns], dim=-1)[None].float().cuda()
+    beta = torch.rand(1, t, hv, device="cuda")
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
+    if h0:
+        inputs["initial_state"] = torch.randn(len(lengths), hv, d, d, device="cuda")
+    release_workspaces()
+    with poisoned():
+        o, s = chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
+    o_ref, s_ref = naive_recurrence(**{n: x.double() for n, x in inputs.items()}, cu_seqlens=cu, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, o_ref) <= 5e-3 and rel_err(s, s_ref) <= 5e-3, (rel_err(o, o_ref), rel_err(s, s_ref))
 
 
 # Per value head of the backward's windows: which of a segment's 16 chunks decay (by e^-64 each;
