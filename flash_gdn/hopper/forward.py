@@ -115,7 +115,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
     elif roles:  # the same products, explicit warpgroup roles (never split; in place with CP, running the
         # truncated transitions' windows itself: segment_state's defer_windows)
         output = lambda: build_state_output_roles(dk, dv, tl_dtype, output_h0, in_place=segment_states,  # noqa: E731
-                                                  lead_in=lead_in, windows=segment_states)
+                                                  lead_in=lead_in)
     else:  # the state as a register operand; W S formed from K and A_g (W is not written)
         output = lambda: build_state_output_vmajor(dk, dv, tl_dtype, output_h0, True, split_v=split,  # noqa: E731
                                                    in_place=cp)

@@ -122,31 +122,30 @@ __device__ __forceinline__ void flash_gdn_store_acc_float16(const float* acc, vo
 
 @functools.lru_cache(maxsize=None)
 def build_state_output_roles(head_k: int, head_v: int, dtype: str, has_initial: bool, stages: int = STAGES,
-                             in_place: bool = False, lead_in: bool = False, windows: bool = False):
+                             in_place: bool = False, lead_in: bool = False):
     """Arguments as ``build_state_output_vmajor(head_k, head_v, dtype, has_initial, form_w=True,
     in_place=in_place)`` (W is not read) and one more, last: ``q_norms`` (int), 1 where the
     producer forms the fused L2 norm's inverse query norms from the q tile (``stage_q_norms``;
     ``q_norm_inv`` is then not read: prepare_wu ran with ``NORMALIZE_K_ONLY``), 0 where they come
-    from ``q_norm_inv``; V = 128 only. ``in_place`` (context parallelism): the
-    segments' start states are read from and their end states written to one buffer (each state
-    thread reads exactly the elements it writes at the end), value heads on grid x and segments
-    on y, and a segment without tokens neither loads nor stores its state. ``lead_in`` (context
+    from ``q_norm_inv``; V = 128 only. ``in_place`` (context parallelism, after ``segment_state``'s
+    ``defer_windows``): the segments' start states are read from and their end states written to one
+    buffer (each state thread reads exactly the elements it writes at the end), value heads on grid x
+    and segments on y, a segment without tokens neither loads nor stores its state, and one more
+    argument, last: the transitions' ``trunc_flags``; where segment s - 1's transition was truncated
+    to a window of w chunks, the CTA of segment s runs those w chunks from zero first (no output)
+    instead of reading its start state, which the transitions then did not form. ``lead_in`` (context
     parallelism without transitions): CTAs over the plan's segment slots (``seg_info`` in
     ``seq_info``'s place, value heads on grid x, slots rank-major on y: ``rank_major_slot``), each
     starting a few chunks before its segment, or running the segments after its own that have no
     such start (``lead_in_segment``), and four more arguments, last: the plan's ``seq_info``, ``chunk_seq``,
     ``seg_meta`` and ``prepare_wu``'s ``log_bound``; ``initial_state`` and ``final_state`` are
-    per sequence. ``windows`` (with ``in_place``, after ``segment_state``'s ``defer_windows``): one more
-    argument, last: the transitions' ``trunc_flags``; where segment s - 1's transition was truncated
-    to a window of w chunks, the CTA of segment s runs those w chunks from zero first (no output)
-    instead of reading its start state, which the transitions then did not form."""
+    per sequence."""
     if lead_in:
         assert not in_place, "lead-in segments read h0 and write final states, not segment states"
         return Launcher(_state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stages))
-    if windows:
-        assert in_place, "windows are the CP pipeline's (in place)"
+    if in_place:
         return Launcher(_state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stages))
-    return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_place))
+    return Launcher(_state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages))
 
 
 @T.macro
@@ -269,13 +268,14 @@ def lead_in_update(c, dtype, stages, k_s, fac, state_t, vn_t, vnw_a, empty):
 
 
 @T.macro
-def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s, full, empty,
+def state_warpgroup(wg, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s, full, empty,
                     initial_state, o, final_state, seq, head, seq_start, seq_end, num_chunks, lead_in=None):
     """One state warpgroup's whole sequence: S^T of its 64 rows of V in registers (bf16 copy the
     A operand), the output of those rows through its own tile ``o_s``. ``lead_in``: a lead-in
     segment's ``(lead, from_h0, write_final)``: its first ``lead`` chunks give no output, it starts
     from the initial state only where ``from_h0`` (else from zero) and writes the final state only
-    where ``write_final``."""
+    where ``write_final`` (in place, ``roles_cta``'s windows: the segment's start state and its end
+    state, where it has tokens)."""
     v0 = wg * WG_ROWS
     state_t = T.alloc_fragment((WG_ROWS, head_k), ACCUM)  # S^T
     state_a = T.alloc_fragment((WG_ROWS, head_k), dtype)
@@ -295,9 +295,8 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
         else:
             T.clear(state_t)
     elif has_initial:
-        if (seq_end > seq_start) if in_place else True:  # (in place: an empty segment keeps its state)
-            for vr, i in T.Parallel(WG_ROWS, head_k):
-                state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
+        for vr, i in T.Parallel(WG_ROWS, head_k):
+            state_t[vr, i] = initial_state[seq, head, i, v0 + vr]
     else:
         T.clear(state_t)
     for c in T.serial(num_chunks):
@@ -330,7 +329,7 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
                          empty, start, length, head, v0)
     T.tma_store_wait(0)
     # (in place: an empty segment keeps its state; a lead-in segment: only at its sequence's end)
-    writes_final = (seq_end > seq_start) if in_place else True
+    writes_final = True
     if lead_in is not None:
         writes_final = lead_in[2] != 0
     if writes_final:
@@ -339,14 +338,15 @@ def state_warpgroup(wg, head_k, dtype, stages, has_initial, in_place, q_s, k_s, 
 
 
 @T.macro
-def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, initial_state,
+def roles_cta(head_k, dtype, stages, has_initial, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv, initial_state,
               scale, o, final_state, q_norms, num_v_heads, num_qk_heads, seq, head, run_info, lead_in_run,
               window_flags=None):
     """One CTA: the roles over one run, ``run_info[seq]`` (first token, one-past-last token, first
     chunk), or with ``lead_in_run`` = ``(seq_info, chunk_seq, seg_meta, log_bound)`` over segment slot
-    ``seq`` of ``run_info`` (the plan's seg_info) with its lead-in (``lead_in_segment``), or (in place)
-    with ``window_flags``, the transitions' ``trunc_flags``, from the window of the segment before it
-    where that segment's transition was truncated (``segment_state``'s ``defer_windows``)."""
+    ``seq`` of ``run_info`` (the plan's seg_info) with its lead-in (``lead_in_segment``), or in place
+    (``window_flags``, the transitions' ``trunc_flags``) over segment slot ``seq``, from the window of
+    the segment before it where that segment's transition was truncated (``segment_state``'s
+    ``defer_windows``), else from its start state in ``initial_state``."""
     q_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
     k_s = T.alloc_shared((stages, CHUNK, head_k), dtype)
     v_s = T.alloc_shared((stages, CHUNK, 2 * WG_ROWS), dtype)
@@ -440,11 +440,11 @@ def roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma,
             T.barrier_arrive(full[c % stages])
     elif tx >= 128:
         set_role_registers(STATE_REGS, THREAD_REGS)
-        state_warpgroup(1, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
+        state_warpgroup(1, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s1, full,
                         empty, initial_state, o, final_state, state_seq, head, seq_start, seq_end, num_chunks, lead_in)
     else:
         set_role_registers(STATE_REGS, THREAD_REGS)
-        state_warpgroup(0, head_k, dtype, stages, has_initial, in_place, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
+        state_warpgroup(0, head_k, dtype, stages, has_initial, q_s, k_s, v_s, au_s, fac, pt_s, o_s0, full,
                         empty, initial_state, o, final_state, state_seq, head, seq_start, seq_end, num_chunks, lead_in)
 
 
@@ -567,7 +567,7 @@ def lead_in_segment(seq_info, chunk_seq, seg_meta, log_bound, seg_info, head, sl
 
 
 @jit
-def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_place=False):
+def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
     assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
     tokens = T.dynamic("tokens")
@@ -577,9 +577,6 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
     num_chunks_total = T.dynamic("num_chunks")
     w_tokens = T.dynamic("w_tokens")  # W is not read (the signature is state_output_vmajor's)
     w_heads = T.dynamic("w_heads")
-    # In place (CP), value heads on grid x so that the plan's unused segment slots, numbered after
-    # the used ones, are dispatched last (as state_output_vmajor); segments on y.
-    grid = (num_v_heads, num_seqs) if in_place else (num_seqs, num_v_heads)
 
     @T.prim_func
     def state_output_roles(
@@ -598,17 +595,16 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages, in_pl
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         q_norms: T.int32,
     ):
-        with T.Kernel(*grid, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
-            roles_cta(head_k, dtype, stages, has_initial, in_place, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
-                      initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads,
-                      g1 if in_place else g0, g0 if in_place else g1, seq_info, None)
+        with T.Kernel(num_seqs, num_v_heads, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
+            roles_cta(head_k, dtype, stages, has_initial, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
+                      initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads, g0, g1, seq_info, None)
 
     return state_output_roles
 
 
 @jit
 def _state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stages):
-    """``build_state_output_roles``' ``windows`` variant: in place, and ``trunc_flags`` last."""
+    """``build_state_output_roles``' ``in_place`` variant (CP's segments; ``trunc_flags`` last)."""
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
     assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
     tokens = T.dynamic("tokens")
@@ -639,9 +635,10 @@ def _state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stage
         q_norms: T.int32,
         trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
     ):
-        # (value heads on grid x, segments on y: the plan's unused slots last, as in place above)
+        # Value heads on grid x so that the plan's unused segment slots, numbered after the used ones,
+        # are dispatched last (as state_output_vmajor); segments on y.
         with T.Kernel(num_v_heads, num_segs, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
-            roles_cta(head_k, dtype, stages, has_initial, True, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
+            roles_cta(head_k, dtype, stages, has_initial, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
                       initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads, g1, g0, seg_info,
                       None, trunc_flags)
 
@@ -686,7 +683,7 @@ def _state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stage
         log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
     ):
         with T.Kernel(num_v_heads, num_slots, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
-            roles_cta(head_k, dtype, stages, has_initial, False, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
+            roles_cta(head_k, dtype, stages, has_initial, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
                       initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads, g1, g0, seg_info,
                       (seq_info, chunk_seq, seg_meta, log_bound))
 

@@ -94,15 +94,13 @@ def kernel_builders(head_dim: int, dtype: str):
                  for sv in sorted({False, d == 128})]
     builders.append((f"state_output_vmajor[{dtype},h0=True,form_w=True,split_v=False,in_place=True]",
                      lambda: build_state_output_vmajor(d, d, dtype, True, True, in_place=True)))
-    # V = 128 unsplit: the kernel with warpgroup roles, in place with CP (forward.use_state_roles;
+    # V = 128 unsplit: the kernel with warpgroup roles, in place with CP, running the truncated transitions'
+    # windows (segment_state's defer_windows) (forward.use_state_roles;
     # the unsplit state_output_vmajor above where FLASH_GDN_STATE_ROLES=0).
     if d == 128:
         builders += [(f"state_output_roles[{dtype},h0={h0},in_place={ip}]",
                       lambda h0=h0, ip=ip: build_state_output_roles(d, d, dtype, h0, in_place=ip))
                      for h0, ip in ((False, False), (True, False), (True, True))]
-        # in place, running the truncated transitions' windows (segment_state's defer_windows)
-        builders.append((f"state_output_roles[{dtype},h0=True,in_place=True,windows=True]",
-                         lambda: build_state_output_roles(d, d, dtype, True, in_place=True, windows=True)))
         # lead-in segments (CP without transitions, context_parallel._lead_in_rule)
         builders += [(f"state_output_roles[{dtype},h0={h0},lead_in=True]",
                       lambda h0=h0: build_state_output_roles(d, d, dtype, h0, lead_in=True))

@@ -80,8 +80,9 @@ def test_roles_hand_stages_back_only_after_their_products(name):
     lines = [line.strip() for line in source.splitlines()]
     empty = [i for i, line in enumerate(lines) if line.startswith("empty[") and line.endswith(".arrive();")]
     full = [i for i, line in enumerate(lines) if line.startswith("full[") and line.endswith(".arrive();")]
-    # one per state warpgroup (two with lead-in segments or windows: the lead-in chunks' path too); the producer
-    leads = "lead_in=True" in name or "windows=True" in name
+    # one per state warpgroup (two with lead-in segments or in place, which runs windows: the lead-in chunks' path
+    # too); the producer
+    leads = "lead_in=True" in name or "in_place=True" in name
     assert len(empty) == (4 if leads else 2) and len(full) == 1, (empty, full)
     assert all(lines[i - 1] == "tl::wait_wgmma<0>();" for i in empty), [lines[i - 1] for i in empty]
     assert lines[full[0] - 1] == "tl::fence_proxy_async();", lines[full[0] - 1]
