@@ -42,7 +42,7 @@ bounds). M is then computed unless both windows exist, and ``trunc_flags[seg, he
 ``defer_windows`` (the default forward with the roles output kernel, ``h_ahead``): where a segment's
 transition is truncated, its h over the window is not formed here unless the scan needs it (the next
 segment's own transition is exact and the scan multiplies S_start[s + 1] by it); the output kernel's
-CTA of segment s + 1 runs the window itself from zero (``state_output_roles``' ``windows``), as a
+CTA of segment s + 1 runs the window itself from zero (``state_output_roles`` in place), as a
 lead-in segment does. ``trunc_flags[seg, head]`` then also holds the window's length,
 ``TRAILING | w << WINDOW_SHIFT``, for that CTA. Where every transition is truncated, this kernel's
 CTAs only find their windows and exit (s75).
