@@ -222,7 +222,7 @@ def _forward_rule(num_seqs, num_v_heads, max_chunks, device, varlen, lead_in=Fal
     28672+4096 932 / 860 / 1259, 1473 / 1281 / 1385, 1172 / 1240 / 1275; 16/48 x 8192x4 (four
     sequences) 666 / 626 / 731, 857 / 771 / 760. (One sequence in the band, e.g. 16/48 x 1x32768,
     keeps the pipeline: its uncut pass fills a third of the SMs, so exact transitions pay where
-    gates do not decay. So do the band's two-sequence rows, s75, same measurements, pipeline /
+    gates do not decay. So do the band's other rows, s75, same measurements, pipeline /
     lead-in / no CP: 16/32 x 28672+4096 456 / 426 / 1052 with the bench's gates, 709 / 1072 / 1050
     with gates of 0, 620 / 1072 / 1043 with every other head's 0; 16/64 x 1x32768 833 / 797 / 1410,
     1151 / 1365 / 1311, 1065 / 1318 / 1288.)"""
