@@ -32,20 +32,21 @@ HEADS = [
 ]
 
 
-def test_transition_windows_follow_gates_and_keys():
-    segments, hqk, hv, d = 3, 2, len(HEADS), 128
-    t = segments * SEG_CHUNKS * 64
-    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
-    g = torch.empty(1, t, hv, device="cuda")
-    beta = 0.9 * torch.rand(1, t, hv, device="cuda")
-    for head, (gate, expanding, _) in enumerate(HEADS):
-        g[..., head] = gate
-        if expanding is not None:
-            back = 1 if expanding == "last" else 1 + 64
-            for s in range(segments):
-                beta[0, (s + 1) * SEG_CHUNKS * 64 - back - 10, head] = 3.0
+def _unit_qkv(t, hqk, hv, d, device="cuda"):
+    """q and k with unit rows, and v: bf16 ``[1, t, H, d]``."""
+    q = F.normalize(torch.randn(1, t, hqk, d, device=device), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, t, hqk, d, device=device), dim=-1).bfloat16()
+    v = torch.randn(1, t, hv, d, device=device).bfloat16()
+    return q, k, v
+
+
+def _forward_transitions(g, beta, hqk, d, defer_windows=False):
+    """The default forward's transitions over SEG_CHUNKS-chunk segments of one sequence with gates
+    ``g`` and ``beta`` ``[1, t, Hv]`` (random unit keys): W S formed from K and A_g (prepare_wu writes
+    no W), h_s into starts[s + 1] (h_ahead) and M alone into m_state, every buffer poisoned first.
+    Returns (flags, starts, m_state)."""
+    t, hv = g.shape[1], g.shape[2]
+    q, k, v = _unit_qkv(t, hqk, hv, d)
     problem = Problem(1, t, hqk, hv, d, d, 1, d ** -0.5)
     prep = run_prepare(q, k, v, g, beta, problem, None, False, SEG_CHUNKS, FORWARD_CP_OUTPUTS)
     segs = prep.plan.segments
@@ -54,12 +55,25 @@ def test_transition_windows_follow_gates_and_keys():
         m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
         starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
         flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
-        # The default forward's variant: W S formed from K and A_g (prepare_wu wrote no W), h_s into
-        # starts[s + 1] (h_ahead) and M alone into m_state.
         assert prep.w is None
-        build_segment_state(d, d, "bfloat16", True, True, True, True, h_ahead=True)(
-            prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
-            segs.transition_info, prep.log_bound, m_state, flags, starts)
+        build_segment_state(d, d, "bfloat16", True, True, True, True, h_ahead=True, defer_windows=defer_windows)(
+            prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma,
+            prep.k_norm_inv, segs.transition_info, prep.log_bound, m_state, flags, starts)
+    return flags, starts, m_state
+
+
+def test_transition_windows_follow_gates_and_keys():
+    segments, hqk, hv, d = 3, 2, len(HEADS), 128
+    t = segments * SEG_CHUNKS * 64
+    g = torch.empty(1, t, hv, device="cuda")
+    beta = 0.9 * torch.rand(1, t, hv, device="cuda")
+    for head, (gate, expanding, _) in enumerate(HEADS):
+        g[..., head] = gate
+        if expanding is not None:
+            back = 1 if expanding == "last" else 1 + 64
+            for s in range(segments):
+                beta[0, (s + 1) * SEG_CHUNKS * 64 - back - 10, head] = 3.0
+    flags, starts, m_state = _forward_transitions(g, beta, hqk, d)
     expected = torch.tensor([int(truncated) for _, _, truncated in HEADS], dtype=torch.int32, device="cuda")
     for s in range(segments - 1):  # the last segment has no transition
         assert torch.equal(flags[s], expected), (s, flags[s].tolist())
@@ -97,9 +111,6 @@ def test_deferred_windows_form_only_what_the_scan_reads():
     (the output kernel's CTA runs the other windows itself), and the flags carry each window's length."""
     segments, hqk, hv, d = 4, 2, len(DEFERRED_HEADS), 128
     t = segments * SEG_CHUNKS * 64
-    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
     g = torch.zeros(1, segments, SEG_CHUNKS * 64, hv, device="cuda")
     for head, (decaying, _) in enumerate(DEFERRED_HEADS):
         if decaying == "slow":
@@ -108,17 +119,7 @@ def test_deferred_windows_form_only_what_the_scan_reads():
             g[0, s, :, head] = -1.0
     g = g.reshape(1, t, hv)
     beta = 0.9 * torch.rand(1, t, hv, device="cuda")
-    problem = Problem(1, t, hqk, hv, d, d, 1, d ** -0.5)
-    prep = run_prepare(q, k, v, g, beta, problem, None, False, SEG_CHUNKS, FORWARD_CP_OUTPUTS)
-    segs = prep.plan.segments
-    capacity = segs.seg_info.shape[0]
-    with poisoned():
-        m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
-        starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
-        flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
-        build_segment_state(d, d, "bfloat16", True, True, True, True, h_ahead=True, defer_windows=True)(
-            prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma,
-            prep.k_norm_inv, segs.transition_info, prep.log_bound, m_state, flags, starts)
+    flags, starts, _ = _forward_transitions(g, beta, hqk, d, defer_windows=True)
     for head, (decaying, written) in enumerate(DEFERRED_HEADS):
         for s in range(segments):
             truncated = s < segments - 1 and (decaying == "slow" or s in decaying)
@@ -141,9 +142,7 @@ def test_forward_through_deferred_windows_matches_naive(monkeypatch, h0):
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "4")
     lengths, hqk, hv, d = [3000, 1700], 2, 8, 128
     t = sum(lengths)
-    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    q, k, v = _unit_qkv(t, hqk, hv, d)
     cu = torch.tensor([0, lengths[0], t], dtype=torch.int32, device="cuda")
     # per value head, the gate of each segment in turn (cycled): -1, -0.05 or 0 a token
     patterns = [(-1.0,), (0.0,), (-1.0, 0.0), (0.0, -1.0), (-1.0, -1.0, 0.0), (-0.05, 0.0, -1.0), (0.0, 0.0, -1.0),
@@ -184,9 +183,7 @@ def test_backward_windows_at_both_ends(from_inverse):
     stays), and prepare_wu bounds the transitions alike whether it solves for A_r or reads it."""
     segments, hqk, hv, d = 3, 2, len(BACKWARD_HEADS), 128
     t = segments * SEG_CHUNKS * 64
-    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    q, k, v = _unit_qkv(t, hqk, hv, d)
     g = torch.zeros(1, SEG_CHUNKS * segments, 64, hv, device="cuda")
     for head, (decaying, _) in enumerate(BACKWARD_HEADS):
         for s in range(segments):
@@ -228,9 +225,7 @@ def test_truncated_forward_matches_naive(monkeypatch, h0):
     one-chunk windows, slowly decaying ones longer windows or none, zero-decay ones the exact M."""
     monkeypatch.setenv("FLASH_GDN_CP_SEGMENT_CHUNKS", "2")
     t, hqk, hv, d = 2000, 2, 8, 128
-    q = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(1, t, hqk, d, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(1, t, hv, d, device="cuda").bfloat16()
+    q, k, v = _unit_qkv(t, hqk, hv, d)
     per_head = torch.tensor([0.0, 0.0, 0.05, 0.2, 1.0, 3.0, 20.0, 0.5], device="cuda")
     g = -per_head * (0.5 + torch.rand(1, t, hv, device="cuda"))
     beta = torch.rand(1, t, hv, device="cuda")
