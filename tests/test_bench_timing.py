@@ -1,4 +1,4 @@
-from flash_gdn.bench.timing import busy_time_us
+from flash_gdn.bench.timing import busy_time_us, span_us
 
 
 def test_busy_time_counts_overlapping_kernels_once():
@@ -6,6 +6,12 @@ def test_busy_time_counts_overlapping_kernels_once():
     assert busy_time_us([(0.0, 1.0), (2.0, 3.0)]) == 2.0          # one after another: the sum
     assert busy_time_us([(4.0, 7.0), (0.0, 5.0), (1.0, 2.0)]) == 7.0  # two streams overlapping
     assert busy_time_us([(0.0, 2.0), (2.0, 3.0)]) == 3.0
+
+
+def test_span_runs_from_the_first_start_to_the_last_end():
+    assert span_us([]) == 0.0
+    assert span_us([(2.0, 3.0), (0.0, 1.0)]) == 3.0
+    assert span_us([(4.0, 7.0), (0.0, 5.0), (1.0, 2.0)]) == 7.0
 
 
 def test_eager_time_is_the_per_call_slope_without_a_runs_fixed_cost():
@@ -62,3 +68,36 @@ def test_kernel_timing_detaches_cupti_after_its_profiler_session(monkeypatch):
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     kernel_time_ms(lambda: None, 1)
     assert "TEARDOWN_CUPTI" not in os.environ
+
+
+def test_profiled_run_gives_busy_and_wall_time_of_the_same_calls(monkeypatch):
+    # The wall time counts the GPU's idle gaps between kernels (a host that issues slower than the
+    # GPU runs); the busy time does not. Both per call, in ms, from the one run's kernel intervals.
+    from types import SimpleNamespace
+
+    import torch
+
+    from flash_gdn.bench.timing import profiled_run
+
+    kernels = [(0.0, 40.0), (45.0, 100.0), (130.0, 170.0), (175.0, 230.0)]  # us: two calls of two kernels
+
+    class Session:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            cuda = torch.autograd.DeviceType.CUDA
+            return [SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=s), device_time=e - s)
+                    for s, e in kernels] + [SimpleNamespace(device_type=torch.autograd.DeviceType.CPU)]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.profiler, "profile", Session)
+    run = profiled_run(lambda: None, 2)
+    assert abs(run.busy_ms - 0.095) < 1e-12  # (40 + 55 + 40 + 55) us / 2 calls
+    assert abs(run.wall_ms - 0.115) < 1e-12  # 230 us / 2 calls

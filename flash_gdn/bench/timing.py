@@ -4,15 +4,34 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 import torch
 
 
+class ProfiledRun(NamedTuple):
+    """One profiled run of calls issued back to back, per call, in ms."""
+
+    busy_ms: float  # GPU busy time (``busy_time_us``): the bench's kernel time
+    wall_ms: float  # first kernel's start to last kernel's end: the run's eager per-call time
+
+
 def kernel_time_ms(fn, iters: int) -> float:
-    """Device time per call during which at least one kernel runs, from torch.profiler: the
+    """Device time per call during which at least one kernel runs (``profiled_run``'s busy time)."""
+    return profiled_run(fn, iters).busy_ms
+
+
+def profiled_run(fn, iters: int) -> ProfiledRun:
+    """``iters`` calls of ``fn`` issued back to back under torch.profiler. The busy time is the
     union of the kernels' intervals, so launch gaps are excluded and kernels that run
     concurrently on two streams count once (for kernels run one after another this is the
-    sum of their durations).
+    sum of their durations). The wall time is the span of the same kernels: busy time plus the
+    GPU's idle gaps, i.e. the per-call time of calls issued back to back, with the GPU time it
+    is compared with measured in the same run, at the same clocks (s76: an H200 under a heavy
+    row drops from 1980 to 1830 MHz at its power cap within a second, so a GPU-bound row's
+    eager time taken in a later phase than its kernel time reads 5-8 % above it; docs/performance.md).
+    CUPTI's tracing slows the host's launches a little, so on a host-bound row this wall time
+    is above ``eager_time_ms``.
 
     The session detaches CUPTI when it ends (``TEARDOWN_CUPTI=1``, read by Kineto then): left
     attached, as Kineto leaves it by default, CUPTI's callbacks slow every later launch, and the
@@ -36,7 +55,7 @@ def kernel_time_ms(fn, iters: int) -> float:
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             duration = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
             intervals.append((evt.time_range.start, evt.time_range.start + duration))
-    return busy_time_us(intervals) / iters / 1000.0
+    return ProfiledRun(busy_time_us(intervals) / iters / 1000.0, span_us(intervals) / iters / 1000.0)
 
 
 def cupti_teardown_safe() -> bool:
@@ -45,6 +64,13 @@ def cupti_teardown_safe() -> bool:
     from torch.torch_version import TorchVersion
 
     return TorchVersion(torch.version.cuda or "0.0") >= "12.6"
+
+
+def span_us(intervals: list[tuple[float, float]]) -> float:
+    """From the earliest start to the latest end of ``(start, end)`` intervals (0 if none)."""
+    if not intervals:
+        return 0.0
+    return max(end for _, end in intervals) - min(start for start, _ in intervals)
 
 
 def busy_time_us(intervals: list[tuple[float, float]]) -> float:
