@@ -1,7 +1,7 @@
 """How the forward's context-parallel paths fare across gate regimes, on a GPU host.
 
     python3 scripts/cp_gate_modes.py 16/48:16384+16384 16/64:1x32768 [--modes decay,none,mixed,slow]
-        [--settings pipeline,lead-in,no CP]
+        [--settings pipeline,lead-in,no CP] [--host]
 
 For each row and gate regime, the inference forward (``chunk_gated_delta_rule`` under no_grad)
 is timed under four settings, alternated twice in one process, best of the two:
@@ -18,6 +18,11 @@ window of eight chunks reaches e^-20). The time is per call from CUDA events aro
 back-to-back calls, launch gaps included. The truncation makes the CP paths' cost depend on
 the gates, which the bench's rows do not show; s74 (docs/performance.md) used this to move the
 device's cut below the band from the pipeline to lead-in segments.
+
+``--host``: for rows whose calls are host-bound (short ones), each cell is three numbers instead of
+one, best of the two rounds: the kernel (busy) time and the wall time per call of one profiled run of
+40 back-to-back calls (``timing.profiled_run``), and the eager time (``timing.eager_time_ms``), so that
+a setting's launches show beside its GPU time (s76: the pipeline's four launches against lead-in's two).
 """
 
 import os
@@ -26,6 +31,7 @@ import sys
 import torch
 
 from flash_gdn import chunk_gated_delta_rule
+from flash_gdn.bench.timing import eager_time_ms, profiled_run
 from profile_kernels import row_inputs
 
 SETTINGS = {
@@ -67,17 +73,30 @@ def per_call_us(inputs: dict) -> float:
     return start.elapsed_time(end) / CALLS * 1000.0
 
 
+def host_times_us(inputs: dict) -> tuple[float, float, float]:
+    """(kernel, profiled wall, eager) microseconds a call (``--host``)."""
+    def call():
+        with torch.no_grad():
+            return chunk_gated_delta_rule(**inputs)
+
+    call()  # (compiles and plans outside the timed calls)
+    torch.cuda.synchronize()
+    run = profiled_run(call, 40)
+    return run.busy_ms * 1e3, run.wall_ms * 1e3, eager_time_ms(call, 48) * 1e3
+
+
 def use_setting(env: dict) -> None:
     for name in SWITCHES:
         os.environ.pop(name, None)
     os.environ.update(env)
 
 
-def main(specs: list[str], regimes: list[str], settings: list[str]) -> None:
+def main(specs: list[str], regimes: list[str], settings: list[str], host: bool = False) -> None:
     unknown = [name for name in settings if name not in SETTINGS]
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
-    print("row regime " + " ".join(f"{name:>9s}" for name in settings) + "  (us a call)")
+    unit = "kernel / profiled wall / eager, us a call" if host else "us a call"
+    print("row regime " + " ".join(f"{name:>9s}" for name in settings) + f"  ({unit})")
     for spec in specs:
         base = row_inputs(spec)
         for regime in regimes:
@@ -86,9 +105,14 @@ def main(specs: list[str], regimes: list[str], settings: list[str]) -> None:
             for _ in range(2):
                 for name in settings:
                     use_setting(SETTINGS[name])
-                    best[name] = min(best.get(name, float("inf")), per_call_us(inputs))
+                    if host:
+                        times = host_times_us(inputs)
+                        best[name] = tuple(min(a, b) for a, b in zip(best.get(name, times), times))
+                    else:
+                        best[name] = min(best.get(name, float("inf")), per_call_us(inputs))
             use_setting({})
-            print(f"{spec} {regime:6s} " + " ".join(f"{best[name]:9.1f}" for name in settings), flush=True)
+            cells = [" / ".join(f"{t:.1f}" for t in best[name]) if host else f"{best[name]:9.1f}" for name in settings]
+            print(f"{spec} {regime:6s} " + " ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
@@ -99,4 +123,6 @@ if __name__ == "__main__":
             i = args.index(flag)
             chosen[flag] = args[i + 1]
             del args[i:i + 2]
-    main(args or ["16/48:16384+16384"], chosen["--modes"].split(","), chosen["--settings"].split(","))
+    host = "--host" in args
+    args = [a for a in args if a != "--host"]
+    main(args or ["16/48:16384+16384"], chosen["--modes"].split(","), chosen["--settings"].split(","), host)
