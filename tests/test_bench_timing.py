@@ -1,6 +1,24 @@
 from flash_gdn.bench.timing import busy_time_us, span_us
 
 
+def _profile_reporting(events):
+    """A stand-in for ``torch.profiler.profile`` (no GPU here) whose sessions report ``events``."""
+    class Session:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    return Session
+
+
 def test_busy_time_counts_overlapping_kernels_once():
     assert busy_time_us([]) == 0.0
     assert busy_time_us([(0.0, 1.0), (2.0, 3.0)]) == 2.0          # one after another: the sum
@@ -41,21 +59,8 @@ def test_kernel_timing_detaches_cupti_after_its_profiler_session(monkeypatch):
 
     from flash_gdn.bench.timing import kernel_time_ms
 
-    class NoSession:  # (no GPU here: the session itself is not what is pinned)
-        def __init__(self, *a, **k):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def events(self):
-            return []
-
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.profiler, "profile", NoSession)
+    monkeypatch.setattr(torch.profiler, "profile", _profile_reporting([]))  # (the session is not what is pinned)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     assert kernel_time_ms(lambda: None, 1) == 0.0
@@ -80,24 +85,11 @@ def test_profiled_run_gives_busy_and_wall_time_of_the_same_calls(monkeypatch):
     from flash_gdn.bench.timing import profiled_run
 
     kernels = [(0.0, 40.0), (45.0, 100.0), (130.0, 170.0), (175.0, 230.0)]  # us: two calls of two kernels
-
-    class Session:
-        def __init__(self, *a, **k):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def events(self):
-            cuda = torch.autograd.DeviceType.CUDA
-            return [SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=s), device_time=e - s)
-                    for s, e in kernels] + [SimpleNamespace(device_type=torch.autograd.DeviceType.CPU)]
-
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=s), device_time=e - s)
+              for s, e in kernels] + [SimpleNamespace(device_type=torch.autograd.DeviceType.CPU)]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.profiler, "profile", Session)
+    monkeypatch.setattr(torch.profiler, "profile", _profile_reporting(events))
     run = profiled_run(lambda: None, 2)
     assert abs(run.busy_ms - 0.095) < 1e-12  # (40 + 55 + 40 + 55) us / 2 calls
     assert abs(run.wall_ms - 0.115) < 1e-12  # 230 us / 2 calls

@@ -153,7 +153,7 @@ def markdown_table(records: list[dict], meta: dict) -> str:
         "of kernel intervals, kernels running concurrently count once); "
         "eager = wall time per call (calls back to back, steady state: `timing.eager_time_ms`; CUPTI "
         "detached after each profiler session); eager, profiled = wall time per call of the kernel time's own "
-        "run (`timing.profiled_run`: the same calls, at the same GPU clocks; CUPTI slows host-bound calls a little); "
+        "run (`timing.profiled_run`: the same calls, at the same GPU clocks; CUPTI slows host-bound calls); "
         "graph = CUDA-graph replay; peak = peak extra CUDA memory of one "
         "step in MiB (ours: the intermediates it keeps between calls allocated within that step). "
         f"Options: use_qk_l2norm_in_kernel={meta.get('l2norm', False)}, "

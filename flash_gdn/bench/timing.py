@@ -28,10 +28,10 @@ def profiled_run(fn, iters: int) -> ProfiledRun:
     sum of their durations). The wall time is the span of the same kernels: busy time plus the
     GPU's idle gaps, i.e. the per-call time of calls issued back to back, with the GPU time it
     is compared with measured in the same run, at the same clocks (s76: an H200 under a heavy
-    row drops from 1980 to 1830 MHz at its power cap within a second, so a GPU-bound row's
-    eager time taken in a later phase than its kernel time reads 5-8 % above it; docs/performance.md).
-    CUPTI's tracing slows the host's launches a little, so on a host-bound row this wall time
-    is above ``eager_time_ms``.
+    row drops from 1980 to 1830 MHz at its software power cap, so a GPU-bound row's eager time
+    taken in a later phase than its kernel time read up to 5 % above it; docs/performance.md).
+    CUPTI's tracing slows the host's launches, so on a host-bound row this wall time is usually
+    above ``eager_time_ms``.
 
     The session detaches CUPTI when it ends (``TEARDOWN_CUPTI=1``, read by Kineto then): left
     attached, as Kineto leaves it by default, CUPTI's callbacks slow every later launch, and the
