@@ -40,6 +40,15 @@ def _unit_qkv(t, hqk, hv, d, device="cuda"):
     return q, k, v
 
 
+def _poisoned_transition_outputs(capacity, hv, d):
+    """segment_state's outputs for ``capacity`` segment slots, poisoned so that unwritten elements
+    show: M and the start states NaN, the flags -1. Returns (m_state, starts, flags)."""
+    m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
+    starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
+    flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
+    return m_state, starts, flags
+
+
 def _forward_transitions(g, beta, hqk, d, defer_windows=False):
     """The default forward's transitions over SEG_CHUNKS-chunk segments of one sequence with gates
     ``g`` and ``beta`` ``[1, t, Hv]`` (random unit keys): W S formed from K and A_g (prepare_wu writes
@@ -52,9 +61,7 @@ def _forward_transitions(g, beta, hqk, d, defer_windows=False):
     segs = prep.plan.segments
     capacity = segs.seg_info.shape[0]
     with poisoned():
-        m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
-        starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
-        flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
+        m_state, starts, flags = _poisoned_transition_outputs(capacity, hv, d)
         assert prep.w is None
         build_segment_state(d, d, "bfloat16", True, True, True, True, h_ahead=True, defer_windows=defer_windows)(
             prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma,
@@ -200,9 +207,7 @@ def test_backward_windows_at_both_ends(from_inverse):
     segs = prep.plan.segments
     capacity = segs.seg_info.shape[0]
     with poisoned():
-        m_state = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
-        starts = torch.full((capacity, hv, d, d), float("nan"), device="cuda")
-        flags = torch.full((capacity, hv), -1, dtype=torch.int32, device="cuda")
+        m_state, starts, flags = _poisoned_transition_outputs(capacity, hv, d)
         build_segment_state(d, d, "bfloat16", True, truncate=True, reverse_window=True, h_ahead=True)(
             prep.k, prep.w, *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
             segs.seg_info, prep.log_bound, m_state, flags, starts)
