@@ -105,7 +105,8 @@ def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: 
     ``cu_seqlens`` on a CUDA device the map of a recently seen, unmodified tensor is reused
     (``_recent_device_plan``).
     """
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     is_capturing = capturing(device)
     rule = (seg_chunks, seg_target, wave_ctas)
     if cu_seqlens is None and not is_capturing:
@@ -223,7 +224,8 @@ def capturing(device) -> bool:
     the current stream of a CUDA ``device`` (its plan must then be computed at replay, from
     the buffers' contents), or the call runs inside ``keep_nothing`` while CUDA-graph trees
     warm up or record on it."""
-    if torch.device(device).type != "cuda":
+    # (a torch.device is not built again where the caller passes one: ~1 us of host time on the GPU host, s77)
+    if (device if isinstance(device, torch.device) else torch.device(device)).type != "cuda":
         return False
     if getattr(_KEEP_NOTHING, "on", False) and _graph_trees_allocating(device):
         return True

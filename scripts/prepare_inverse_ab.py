@@ -12,7 +12,7 @@ from profile_kernels import row_inputs  # noqa: E402
 
 from flash_gdn.bench.timing import graph_time_ms  # noqa: E402
 from flash_gdn.hopper.prepare_wu import (FORWARD_OUTPUTS, build_prepare_wu, launch_prepare, prepare_buffers,  # noqa: E402
-                                         flat_inputs, with_inverse)
+                                         kernel_inputs, with_inverse)
 from flash_gdn.planning import plan_for  # noqa: E402
 from flash_gdn.validation import Problem  # noqa: E402
 
@@ -27,7 +27,7 @@ for spec in sys.argv[1:]:
     hqk, hv = (int(s) for s in spec.split(":")[0].split("/"))
     t, n = x["q"].shape[1], x["cu_seqlens"].numel() - 1
     p = Problem(1, t, hqk, hv, 128, 128, n, 128 ** -0.5)
-    flat = flat_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], p, torch.float32)
+    flat = kernel_inputs(x["q"], x["k"], x["v"], x["g"], x["beta"], torch.float32)
     plan = plan_for(1, t, x["cu_seqlens"], x["q"].device)
     for name, outs in (("fwd", FORWARD_OUTPUTS), ("fwd+A_r", with_inverse(FORWARD_OUTPUTS))):
         res = {}

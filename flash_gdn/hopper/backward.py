@@ -54,8 +54,8 @@ from .local_dv import build_local_dv
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together, start_ahead
 from .prepare_wu import (BACKWARD_FROM_INVERSE_OUTPUTS, BACKWARD_OUTPUTS, NO_OUTPUTS, build_prepare_wu, factors_buffer,
-                         flat_inputs, launch_prepare, prepare_buffers, with_bound, without_au, without_bound,
-                         without_w)
+                         kernel_inputs, launch_prepare, prepare_buffers, token_views, with_bound, without_au,
+                         without_bound, without_w)
 from .qk_grads import build_qk_grads
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_starts, no_truncation, transition_sources
@@ -446,7 +446,7 @@ class BackwardConfig:
         hv, dk, dv = p.num_v_heads, p.head_k, p.head_v
         tokens = batch * seq_len
         if self.prepare:
-            flat = flat_inputs(q, k, v, g, beta, p, self.gate_dtype)
+            inputs = kernel_inputs(q, k, v, g, beta, self.gate_dtype)  # (the caller's [B, T, ...] tensors)
             plan = plan_for(batch, seq_len, cu_seqlens, dev, self.seg_chunks, self.seg_target)
         else:  # the forward's (save_chunk_states; A_g was not kept)
             plan = saved["prepared"].plan
@@ -460,19 +460,21 @@ class BackwardConfig:
         elif self.prepare:
             buffers = prepare_buffers(p, num_chunks, dtype, dev, self.outputs, saved.get("a_r"),
                                       None if kept is None else kept.factors)
-            launch_prepare(kernels.prepare, flat, plan, buffers, use_l2)
+            launch_prepare(kernels.prepare, inputs, plan, buffers, use_l2)
             if self.kept_a_g:  # (what is left written here, A_g and whatever else the forward kept, the forward's)
                 buffers = _with_kept(buffers._replace(a_u=_kept_a_g(saved, num_chunks)), saved)
         if self.prepare:
-            qf, kf, vf, _, bf = flat
+            k4, v4 = inputs[1:3]  # (segment_state's k and v: tiles.token_rows)
+            qf, kf, vf, _, bf = token_views(inputs, p)
             # (with form_w the state-gradient pass takes A_g in W's place and chunk_states reads neither)
             w = buffers.a_u if self.form_w else buffers.w
             a_u, gamma, a_r, log_bound = buffers.a_u, buffers.gamma, buffers.a_r, buffers.log_bound
             q_norm_inv, k_norm_inv = buffers.q_norm_inv, buffers.k_norm_inv
-            del flat, buffers
+            del inputs, buffers
         else:
             prep = saved["prepared"]
             qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, None, prep.gamma, prep.a_r
+            k4, v4 = kf.view(batch, seq_len, *kf.shape[1:]), vf.view(batch, seq_len, *vf.shape[1:])
             log_bound = None
             q_norm_inv, k_norm_inv = prep.q_norm_inv, prep.k_norm_inv
             del prep
@@ -548,7 +550,7 @@ class BackwardConfig:
                                     dh0 if dht32 is None else dht32, scale, dh, dv_new, dh0, log_bound)
             else:
                 use(main)
-                _segment_transitions(kernels.transitions, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state,
+                _segment_transitions(kernels.transitions, k4, w, v4, a_u, gamma, k_norm_inv, segs, seg_state,
                                      recompute, log_bound, trunc_flags, run_init)
                 if grads is not None:
                     transitions_ready.record(main)
@@ -714,7 +716,7 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, has_h0, has_dht, cp, block_v,
     )
 
 
-def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, segs, seg_state, recompute, log_bound,
+def _segment_transitions(kernel: Launcher, k, w, v, a_u, gamma, k_norm_inv, segs, seg_state, recompute, log_bound,
                          trunc_flags, run_init):
     """Every segment's M into ``seg_state`` (the reverse scan needs each M but the first's;
     truncated, only those the scans read, and ``trunc_flags`` says which) and, recomputing, its h
@@ -722,9 +724,9 @@ def _segment_transitions(kernel: Launcher, kf, w, vf, a_u, gamma, k_norm_inv, se
     With saved chunk states only M is needed and A_g was not kept: the variant that reads U runs
     with W (same shape, K = V) in its place, and the h columns of ``seg_state`` come out
     meaningless and unread."""
-    sources = transition_sources(v=vf, a_u=a_u) if recompute else transition_sources(u=w)
-    starts = run_init if recompute else no_starts(kf.device)
-    kernel(kf, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags, starts)
+    sources = transition_sources(v=v, a_u=a_u) if recompute else transition_sources(u=w)
+    starts = run_init if recompute else no_starts(k.device)
+    kernel(k, w, *sources, gamma, k_norm_inv, segs.seg_info, log_bound, seg_state, trunc_flags, starts)
 
 
 def hopper_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_state, use_l2, cu_seqlens, state_v_first,

@@ -26,8 +26,8 @@ from .launch import Launcher
 from .plan_kernels import build_cut_pieces, build_sequence_prefix
 from .prebuild import build_together
 from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUTS, PrepareBuffers, build_prepare_wu,
-                         flat_inputs, kept_for_backward, launch_prepare, prepare_buffers, run_prepare, with_bound,
-                         with_factors, with_inverse, with_w)
+                         flat_inputs, kept_for_backward, kernel_inputs, launch_prepare, prepare_buffers, run_prepare,
+                         with_bound, with_factors, with_inverse, with_w)
 from .segment_scan import build_segment_scan
 from .segment_state import build_segment_state, no_starts, no_truncation, transition_sources
 from .state_output import build_state_output
@@ -192,7 +192,9 @@ def hopper_forward(q, k, v, g, beta, problem: Problem, initial_state, output_fin
         capacity = segs.seg_info.shape[0]
         seg_state = torch.empty(capacity, hv, dk, dv + dk, dtype=torch.float32, device=dev)  # [h | M]
         log_bound, trunc_flags = no_truncation(dev)  # (exact transitions)
-        kernels.transitions(prep.k, prep.w, *transition_sources(u=prep.u), prep.gamma, prep.k_norm_inv,
+        # (segment_state reads k as the caller's [B, T, Hqk, K]: tiles.token_rows)
+        kernels.transitions(prep.k.view(batch, seq_len, *prep.k.shape[1:]), prep.w, *transition_sources(u=prep.u),
+                            prep.gamma, prep.k_norm_inv,
                             segs.transition_info, log_bound, seg_state, trunc_flags, no_starts(dev))
         seg_states = torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev)
         final_state = _scan_and_output(kernels, state_inputs, segs, seg_state, trunc_flags, seg_states, h0,
@@ -354,7 +356,7 @@ class DefaultForward:
         """``(o, final_state, extras)`` as ``hopper_forward`` returns them (``extras`` empty unless
         ``keep_inverse``: then A_r, and where the forward wrote every factor, A_g and the factors)."""
         p, kernels = self.problem, self.kernels
-        flat = flat_inputs(q, k, v, g, beta, p, self.gate_dtype)
+        inputs = kernel_inputs(q, k, v, g, beta, self.gate_dtype)  # (the caller's [B, T, ...] tensors: token_rows)
         plan = plan_for(p.batch, p.seq_len, cu_seqlens, self.dev, *self.rule)
         ws = self.workspace or self._workspace(plan)
         prep, kept = ws.prep, {}
@@ -378,12 +380,12 @@ class DefaultForward:
                 prep = prep._replace(w=w)
                 if "a_g" in kept:
                     kept["w"] = w
-        launch_prepare(kernels.prepare, flat, plan, prep, use_l2, q_norms=not self.state_q_norms)
-        qf, kf, vf = flat[:3]
+        launch_prepare(kernels.prepare, inputs, plan, prep, use_l2, q_norms=not self.state_q_norms)
+        qf, kf, vf = inputs[:3]
         # the roles kernel's last argument
         q_norms = (int(use_l2 and self.state_q_norms),) if self.roles else ()
         h0 = _kernel_h0(initial_state, state_v_first)
-        o = torch.empty(p.batch * p.seq_len, p.num_v_heads, p.head_v, dtype=self.dtype, device=self.dev)
+        o = torch.empty(p.batch, p.seq_len, p.num_v_heads, p.head_v, dtype=self.dtype, device=self.dev)
         # The V-major state kernel and the CP transitions form U = A_g V and W S from V, K and A_g
         # themselves (W is not written: prep.w is an unused buffer).
         state_inputs = (qf, kf, prep.w, vf, prep.a_u, prep.gamma, prep.q_norm_inv, prep.k_norm_inv)
@@ -403,7 +405,6 @@ class DefaultForward:
             extra = (*q_norms, ws.trunc_flags) if self.roles else q_norms
             final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
                                            h0, p.scale, o, extra, output_final_state, offsets_in_out=True)
-        o = o.view(p.batch, p.seq_len, p.num_v_heads, p.head_v)
         return o, _caller_layout(final_state, output_final_state, state_v_first), kept
 
 

@@ -17,7 +17,8 @@ from ..validation import Problem
 from .chunk_states import build_chunk_states
 from .fused_grads import build_fused_grads
 from .group_grads import build_group_grads
-from .prepare_wu import BACKWARD_OUTPUTS, build_prepare_wu, flat_inputs, launch_prepare, prepare_buffers
+from .prepare_wu import (BACKWARD_OUTPUTS, build_prepare_wu, kernel_inputs, launch_prepare, prepare_buffers,
+                         token_views)
 from .tiles import TL_DTYPE
 
 
@@ -32,12 +33,12 @@ def fused_reverse_backward(q, k, v, g, beta, do, dht, problem: Problem, initial_
         raise ValueError(f"fused_reverse_backward: K = V = 128 only (the prototype's variants), got K={dk}, V={dv}")
     gate_dtype = torch.float32  # (one gate dtype: fewer variants for the prototype)
     tl_dtype, gate_tl = TL_DTYPE[dtype], TL_DTYPE[gate_dtype]
-    flat = flat_inputs(q, k, v, g, beta, p, gate_dtype)
+    inputs = kernel_inputs(q, k, v, g, beta, gate_dtype)
     plan = plan_for(batch, seq_len, cu_seqlens, dev)
     num_chunks = plan.chunk_bounds.shape[0]
     prep = prepare_buffers(p, num_chunks, dtype, dev, BACKWARD_OUTPUTS)
-    launch_prepare(build_prepare_wu(dk, dv, tl_dtype, gate_tl, *BACKWARD_OUTPUTS), flat, plan, prep, use_l2)
-    qf, kf, vf, _, bf = flat
+    launch_prepare(build_prepare_wu(dk, dv, tl_dtype, gate_tl, *BACKWARD_OUTPUTS), inputs, plan, prep, use_l2)
+    qf, kf, vf, _, bf = token_views(inputs, p)
 
     h = torch.empty(num_chunks, hv, dk, dv, dtype=dtype, device=dev)
     v_new = torch.empty(tokens, hv, dv, dtype=dtype, device=dev)

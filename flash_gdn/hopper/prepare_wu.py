@@ -47,7 +47,7 @@ from .launch import Launcher, jit
 from .mma_inverse import (INVERSE64_PRELUDE, LD_STRIDE, L_STRIDE, XH_STRIDE, mma_scaled_lower_inverse, mma_unit_lower_inverse,
                           scaled_inverse_name)
 from .tiles import (ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, inverse_row_norms, kernel_gate_dtype,
-                    pair_decay)
+                    pair_decay, token_rows)
 
 
 # What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound,
@@ -160,7 +160,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
     # comes from that A_g tile: A_w = A_g diag(e^gamma r), since A_g[i, j] e^gamma_j = e^gamma_i A_r[i, j] beta_j.
     keep_r = write_inverse and mma and write_au and not write_u
     scaled = (gated or keep_r) and mma and write_au
-    tokens = T.dynamic("tokens")
+    batch, seq_len = T.dynamic("batch, seq_len")  # q, k, v, g, beta are the caller's [B, T, ...] (token_rows)
+    tokens = batch * seq_len
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
@@ -180,15 +181,15 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
 
     @T.prim_func
     def prepare_wu(
-        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
-        g: T.Tensor((tokens, num_v_heads), gate_dtype),
-        beta: T.Tensor((tokens, num_v_heads), gate_dtype),
+        k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
+        v: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
+        g: T.Tensor((batch, seq_len, num_v_heads), gate_dtype),
+        beta: T.Tensor((batch, seq_len, num_v_heads), gate_dtype),
         bounds: T.Tensor((num_chunks, 2), "int32"),
         w: T.Tensor((w_tokens, w_heads, head_k), dtype),
         u: T.Tensor((u_tokens, u_heads, head_v), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
-        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        q: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
         normalize: T.int32,
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
@@ -196,6 +197,7 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
         a_u_out: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
         log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
     ):
+        k, v, g, beta, q = token_rows(k), token_rows(v), token_rows(g), token_rows(beta), token_rows(q)
         # One CTA per (chunk, value head), a chunk's value heads next to each other in launch order:
         # the heads of a group read the same K tile, and a sibling launched beside it finds the tile
         # in L2, or on its way there. (Launched chunks first, siblings were num_chunks CTAs apart, 512
@@ -469,20 +471,32 @@ def unused_buffer(dev: torch.device, dtype: torch.dtype, shape: tuple[int, ...])
     return buf
 
 
-def flat_inputs(q, k, v, g, beta, problem, gate_dtype: torch.dtype):
-    """q, k, v as ``[tokens, heads, dim]`` and g, beta as ``[tokens, Hv]`` in the kernels' gate
-    dtype, the layouts every forward kernel reads."""
+def kernel_inputs(q, k, v, g, beta, gate_dtype: torch.dtype):
+    """q, k, v ``[B, T, H, D]`` and g, beta ``[B, T, Hv]`` as the kernels that read the caller's tensors
+    take them (``tiles.token_rows``: ``prepare_wu``, ``segment_state``, the output kernels): contiguous,
+    g and beta in the kernels' gate dtype, not reshaped (a reshape is a torch dispatch, ~1.5 us of host
+    time each on the GPU host; ``.contiguous()`` of a contiguous tensor and a no-op dtype test cost none)."""
+    return (q.contiguous(), k.contiguous(), v.contiguous(), _in_gate_dtype(g, gate_dtype),
+            _in_gate_dtype(beta, gate_dtype))
+
+
+def token_views(inputs: tuple, problem) -> tuple:
+    """``kernel_inputs`` as token rows, q, k, v ``[tokens, heads, dim]`` and g, beta ``[tokens, Hv]``:
+    the layouts of the backward's own kernels and of the fused forward."""
     tokens = problem.batch * problem.seq_len
-    hqk, hv, dk, dv = problem.num_qk_heads, problem.num_v_heads, problem.head_k, problem.head_v
-    return (q.reshape(tokens, hqk, dk).contiguous(), k.reshape(tokens, hqk, dk).contiguous(),
-            v.reshape(tokens, hv, dv).contiguous(), _gate_rows(g, tokens, hv, gate_dtype),
-            _gate_rows(beta, tokens, hv, gate_dtype))
+    qf, kf, vf, gf, bf = inputs
+    return (qf.view(tokens, *qf.shape[2:]), kf.view(tokens, *kf.shape[2:]), vf.view(tokens, *vf.shape[2:]),
+            gf.view(tokens, -1), bf.view(tokens, -1))
 
 
-def _gate_rows(x: torch.Tensor, tokens: int, hv: int, gate_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as ``[tokens, Hv]`` in the kernels' gate dtype (``.to`` only where it converts: a
-    no-op ``.to`` still costs a dispatch, a few us of host time on a GPU host)."""
-    x = x.reshape(tokens, hv)
+def flat_inputs(q, k, v, g, beta, problem, gate_dtype: torch.dtype):
+    """``token_views`` of the ``kernel_inputs`` of q, k, v, g and beta."""
+    return token_views(kernel_inputs(q, k, v, g, beta, gate_dtype), problem)
+
+
+def _in_gate_dtype(x: torch.Tensor, gate_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the kernels' gate dtype, contiguous (``.to`` only where it converts: a no-op ``.to``
+    still costs a dispatch, a few us of host time on a GPU host)."""
     return (x if x.dtype == gate_dtype else x.to(gate_dtype)).contiguous()
 
 
@@ -572,14 +586,14 @@ def prepare_buffers(problem, num_chunks: int, dtype: torch.dtype, dev: torch.dev
                         write_bound)
 
 
-def launch_prepare(kernel: Launcher, flat: tuple, plan: ChunkPlan, out: PrepareBuffers, use_l2: bool,
+def launch_prepare(kernel: Launcher, inputs: tuple, plan: ChunkPlan, out: PrepareBuffers, use_l2: bool,
                    q_norms: bool = True) -> None:
-    """``prepare_wu`` on the flattened inputs ``flat`` (``flat_inputs``) into ``out``. With
+    """``prepare_wu`` on the caller's tensors as ``kernel_inputs`` returns them (``inputs``) into ``out``. With
     ``use_l2`` and not ``q_norms``, ``out.q_norm_inv`` is not written (the state kernel forms
     q's norms itself)."""
-    qf, kf, vf, gf, bf = flat
+    q, k, v, g, beta = inputs
     normalize = (1 if q_norms else NORMALIZE_K_ONLY) if use_l2 else 0
-    kernel(kf, vf, gf, bf, plan.chunk_bounds, out.w, out.u, out.gamma, qf, normalize, out.q_norm_inv,
+    kernel(k, v, g, beta, plan.chunk_bounds, out.w, out.u, out.gamma, q, normalize, out.q_norm_inv,
            out.k_norm_inv, out.a_r, out.a_u, out.log_bound)
 
 
@@ -597,13 +611,13 @@ def run_prepare(q, k, v, g, beta, problem, cu_seqlens, use_l2: bool, seg_chunks:
     write_inverse, write_u, write_au, write_w, write_bound, read_inverse = outputs
     dtype, dev = q.dtype, q.device
     gate_dtype = kernel_gate_dtype(g, beta, dtype)
-    flat = flat_inputs(q, k, v, g, beta, problem, gate_dtype)
+    inputs = kernel_inputs(q, k, v, g, beta, gate_dtype)
     plan = plan_for(problem.batch, problem.seq_len, cu_seqlens, dev, seg_chunks, seg_target, wave_ctas)
     out = prepare_buffers(problem, plan.chunk_bounds.shape[0], dtype, dev, outputs, a_r)
     if kernel is None:
         kernel = build_prepare_wu(problem.head_k, problem.head_v, TL_DTYPE[dtype], TL_DTYPE[gate_dtype], *outputs)
-    launch_prepare(kernel, flat, plan, out, use_l2)
-    qf, kf, vf, _, bf = flat
+    launch_prepare(kernel, inputs, plan, out, use_l2)
+    qf, kf, vf, _, bf = token_views(inputs, problem)
     return Prepared(plan, qf, kf, vf, bf, out.w if write_w else None, out.u if write_u else None, out.gamma,
                     out.q_norm_inv, out.k_norm_inv, out.a_r if write_inverse or read_inverse else None,
                     out.a_u if write_au else None, out.log_bound if write_bound else None)

@@ -86,7 +86,7 @@ import torch
 
 from .launch import Launcher, jit
 from .prepare_wu import unused_buffer
-from .tiles import ACCUM, CHUNK, ROWS
+from .tiles import ACCUM, CHUNK, ROWS, token_rows
 
 WINDOW_CHUNKS = 8  # the longest truncation window (the shortest CP segments have 8 chunks)
 LOG_NEGLIGIBLE = -20.0  # log of the largest factor a truncated state part may carry (e^-20 ~ 2.1e-9)
@@ -179,14 +179,15 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
     ref = u if u is not None else v
     dev, dtype, width = ref.device, ref.dtype, ref.shape[-1]
     return (u if u is not None else unused_buffer(dev, dtype, (1, 1, width)),
-            v if v is not None else unused_buffer(dev, dtype, (1, 1, width)),
+            v if v is not None else unused_buffer(dev, dtype, (1, 1, 1, width)),
             a_u if a_u is not None else unused_buffer(dev, dtype, (1, 1, CHUNK, CHUNK)))
 
 
 @jit
 def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages, reverse_window,
                           h_ahead=False, defer_windows=False):
-    tokens = T.dynamic("tokens")
+    batch, seq_len = T.dynamic("batch, seq_len")  # k (and v, where read) are the caller's [B, T, H, D] (token_rows)
+    tokens = batch * seq_len
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_chunks = T.dynamic("num_chunks")
@@ -197,7 +198,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
     u_tokens, u_heads = T.dynamic("u_tokens"), T.dynamic("u_heads")
     w_tokens = T.dynamic("w_tokens") if form_w else tokens
     w_heads = T.dynamic("w_heads") if form_w else num_v_heads
-    v_tokens, v_heads = T.dynamic("v_tokens"), T.dynamic("v_heads")
+    v_batch, v_seq, v_heads = T.dynamic("v_batch, v_seq, v_heads")
     au_chunks, au_heads = T.dynamic("au_chunks"), T.dynamic("au_heads")
     bound_heads, bound_chunks = T.dynamic("bound_heads"), T.dynamic("bound_chunks")
     flag_segs, flag_heads = T.dynamic("flag_segs"), T.dynamic("flag_heads")
@@ -206,10 +207,10 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
 
     @T.prim_func
     def segment_state(
-        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
         w: T.Tensor((w_tokens, w_heads, head_k), dtype),
         u: T.Tensor((u_tokens, u_heads, head_v), dtype),
-        v: T.Tensor((v_tokens, v_heads, head_v), dtype),
+        v: T.Tensor((v_batch, v_seq, v_heads, head_v), dtype),
         a_u: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
@@ -219,6 +220,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
         starts: T.Tensor(starts_shape, ACCUM),
     ):
+        k, v = token_rows(k), token_rows(v)
         # Column blocks fastest, then value heads, then segments (z: at most MAX_SEGMENT_SLOTS,
         # context_parallel): the plan's unused segment slots are dispatched last.
         with T.Kernel(h_blocks + head_k // block_cols, num_v_heads, num_segs, threads=128) as (cb, head, seg):

@@ -39,7 +39,7 @@ from tilelang.layout import make_swizzled_layout
 
 from .launch import Launcher, jit
 from .segment_state import WINDOW_CHUNKS, WINDOW_SHIFT, find_window, load_window
-from .tiles import ACCUM, CHUNK, load_chunk_rows, set_role_registers, store_chunk_rows
+from .tiles import ACCUM, CHUNK, load_chunk_rows, set_role_registers, store_chunk_rows, token_rows
 
 THREADS = 384
 PRODUCER_THREAD0 = 256  # warpgroup 2
@@ -570,7 +570,7 @@ def lead_in_segment(seq_info, chunk_seq, seg_meta, log_bound, seg_info, head, sl
 def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
     assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
-    tokens = T.dynamic("tokens")
+    batch, seq_len = T.dynamic("batch, seq_len")  # q, k, v, o: the caller's [B, T, H, D] (token_rows)
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
@@ -580,10 +580,10 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
 
     @T.prim_func
     def state_output_roles(
-        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        q: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
+        k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
         w: T.Tensor((w_tokens, w_heads, head_k), dtype),
-        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        v: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         a_u: T.Tensor((num_chunks_total, num_v_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
@@ -591,10 +591,11 @@ def _state_output_roles_kernel(head_k, head_v, dtype, has_initial, stages):
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
-        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        o: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         q_norms: T.int32,
     ):
+        q, k, v, o = token_rows(q), token_rows(k), token_rows(v), token_rows(o)
         with T.Kernel(num_seqs, num_v_heads, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
             roles_cta(head_k, dtype, stages, has_initial, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
                       initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads, g0, g1, seq_info, None)
@@ -607,7 +608,7 @@ def _state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stage
     """``build_state_output_roles``' ``in_place`` variant (CP's segments; ``trunc_flags`` last)."""
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
     assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
-    tokens = T.dynamic("tokens")
+    batch, seq_len = T.dynamic("batch, seq_len")  # q, k, v, o: the caller's [B, T, H, D] (token_rows)
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_segs = T.dynamic("num_segs")
@@ -619,10 +620,10 @@ def _state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stage
 
     @T.prim_func
     def state_output_roles_windows(
-        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        q: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
+        k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
         w: T.Tensor((w_tokens, w_heads, head_k), dtype),
-        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        v: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         a_u: T.Tensor((num_chunks_total, num_v_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
@@ -630,11 +631,12 @@ def _state_output_roles_windows_kernel(head_k, head_v, dtype, has_initial, stage
         seg_info: T.Tensor((num_segs, 3), "int32"),
         initial_state: T.Tensor((num_segs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
-        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        o: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_segs, num_v_heads, head_k, head_v), ACCUM),
         q_norms: T.int32,
         trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
     ):
+        q, k, v, o = token_rows(q), token_rows(k), token_rows(v), token_rows(o)
         # Value heads on grid x so that the plan's unused segment slots, numbered after the used ones,
         # are dispatched last (as state_output_vmajor); segments on y.
         with T.Kernel(num_v_heads, num_segs, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
@@ -650,7 +652,7 @@ def _state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stage
     """``build_state_output_roles``' ``lead_in`` variant (a factory of its own: one prim_func a factory)."""
     assert head_v == 2 * WG_ROWS, "two state warpgroups of 64 rows of V"
     assert stages >= 3, "the producer refills a stage a chunk ahead of forming P^T"
-    tokens = T.dynamic("tokens")
+    batch, seq_len = T.dynamic("batch, seq_len")  # q, k, v, o: the caller's [B, T, H, D] (token_rows)
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
@@ -663,10 +665,10 @@ def _state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stage
 
     @T.prim_func
     def state_output_roles_lead_in(
-        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        q: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
+        k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
         w: T.Tensor((w_tokens, w_heads, head_k), dtype),
-        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        v: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         a_u: T.Tensor((num_chunks_total, num_v_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks_total, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks_total, CHUNK), ACCUM),
@@ -674,7 +676,7 @@ def _state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stage
         seg_info: T.Tensor((num_slots, 3), "int32"),
         initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
-        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        o: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         q_norms: T.int32,
         seq_info: T.Tensor((num_seqs, 3), "int32"),
@@ -682,6 +684,7 @@ def _state_output_roles_lead_in_kernel(head_k, head_v, dtype, has_initial, stage
         seg_meta: T.Tensor((num_seqs, 3), "int32"),
         log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
     ):
+        q, k, v, o = token_rows(q), token_rows(k), token_rows(v), token_rows(o)
         with T.Kernel(num_v_heads, num_slots, threads=THREADS, prelude=STORE_OT_PRELUDE) as (g0, g1):
             roles_cta(head_k, dtype, stages, has_initial, q, k, v, a_u, gamma, q_norm_inv, k_norm_inv,
                       initial_state, scale, o, final_state, q_norms, num_v_heads, num_qk_heads, g1, g0, seg_info,

@@ -57,7 +57,7 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 # ROWS: every warpgroup owns 64 rows of V in all register-operand products (its rows of S^T stay its own).
-from .tiles import ACCUM, CHUNK, ROWS, store_chunk_rows
+from .tiles import ACCUM, CHUNK, ROWS, store_chunk_rows, token_rows
 
 
 @T.macro
@@ -90,7 +90,8 @@ def build_state_output_vmajor(head_k: int, head_v: int, dtype: str, has_initial:
 
 @jit
 def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_stages, split_v=False, in_place=False):
-    tokens = T.dynamic("tokens")
+    batch, seq_len = T.dynamic("batch, seq_len")  # q, k, v, o: the caller's [B, T, H, D] (token_rows)
+    tokens = batch * seq_len
     num_qk_heads = T.dynamic("num_qk_heads")
     num_v_heads = T.dynamic("num_v_heads")
     num_seqs = T.dynamic("num_seqs")
@@ -112,10 +113,10 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
 
     @T.prim_func
     def state_output_vmajor(
-        q: T.Tensor((tokens, num_qk_heads, head_k), dtype),
-        k: T.Tensor((tokens, num_qk_heads, head_k), dtype),
+        q: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
+        k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
         w: T.Tensor((w_tokens, w_heads, head_k), dtype),
-        v: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        v: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         a_u: T.Tensor((num_chunks, num_v_heads, CHUNK, CHUNK), dtype),
         gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
         q_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
@@ -123,9 +124,10 @@ def _state_output_vmajor_kernel(head_k, head_v, dtype, has_initial, form_w, num_
         seq_info: T.Tensor((num_seqs, 3), "int32"),
         initial_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
         scale: T.float32,
-        o: T.Tensor((tokens, num_v_heads, head_v), dtype),
+        o: T.Tensor((batch, seq_len, num_v_heads, head_v), dtype),
         final_state: T.Tensor((num_seqs, num_v_heads, head_k, head_v), ACCUM),
     ):
+        q, k, v, o = token_rows(q), token_rows(k), token_rows(v), token_rows(o)
         with T.Kernel(*grid, threads=threads) as (g0, g1):
             seq = g1 if in_place else g0
             head_block = g0 if in_place else g1

@@ -64,7 +64,7 @@ def _forward_transitions(g, beta, hqk, d, defer_windows=False):
         m_state, starts, flags = _poisoned_transition_outputs(capacity, hv, d)
         assert prep.w is None
         build_segment_state(d, d, "bfloat16", True, True, True, True, h_ahead=True, defer_windows=defer_windows)(
-            prep.k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma,
+            k, unused_buffer(k.device, k.dtype, (1, 1, d)), *transition_sources(v=v, a_u=prep.a_u), prep.gamma,
             prep.k_norm_inv, segs.transition_info, prep.log_bound, m_state, flags, starts)
     return flags, starts, m_state
 
@@ -209,7 +209,7 @@ def test_backward_windows_at_both_ends(from_inverse):
     with poisoned():
         m_state, starts, flags = _poisoned_transition_outputs(capacity, hv, d)
         build_segment_state(d, d, "bfloat16", True, truncate=True, reverse_window=True, h_ahead=True)(
-            prep.k, prep.w, *transition_sources(v=prep.v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
+            k, prep.w, *transition_sources(v=v, a_u=prep.a_u), prep.gamma, prep.k_norm_inv,
             segs.seg_info, prep.log_bound, m_state, flags, starts)
     expected = torch.tensor([bits for _, bits in BACKWARD_HEADS], dtype=torch.int32, device="cuda")
     # h one slot ahead (the last segment's would go past the capacity here: not written)

@@ -150,6 +150,29 @@ def test_query_norms_of_the_fused_l2_norm_from_the_roles_kernel(recorder, monkey
             assert output[0][-2 if cp else -1] == int(use_l2 and in_state)
 
 
+@pytest.mark.parametrize("lengths, hqk, hv", ROWS)
+@pytest.mark.parametrize("roles", ["1", "0"])
+def test_the_callers_tensors_reach_the_kernels_as_they_are(recorder, monkeypatch, lengths, hqk, hv, roles):
+    """The kernels that read q, k, v, g and beta (``prepare_wu``, ``segment_state``, the output kernels)
+    take the caller's ``[B, T, ...]`` tensors themselves, not reshaped views (``tiles.token_rows``: each
+    reshape was a torch dispatch of host time), and the output kernel writes the ``[B, T, Hv, V]`` o that
+    the call returns. (g and beta fp32 here: the kernels' gate dtype, so no conversion either.)"""
+    from flash_gdn.hopper.forward import hopper_forward
+
+    monkeypatch.setenv("FLASH_GDN_STATE_ROLES", roles)
+    q, k, v, g, beta, cu, problem = _inputs(lengths, hqk, hv)
+    o, _, _ = hopper_forward(q, k, v, g, beta, problem, None, False, False, cu, False)
+    calls = dict((name, a) for name, a in recorder.calls)
+    prepare = calls["build_prepare_wu"]
+    assert prepare[0] is k and prepare[1] is v and prepare[2] is g and prepare[3] is beta and prepare[8] is q
+    output = calls.get("build_state_output_roles") or calls["build_state_output_vmajor"]
+    assert output[0] is q and output[1] is k and output[3] is v and output[11] is o
+    assert o.shape == (1, sum(lengths), hv, 128)
+    if "build_segment_state" in calls:  # (the CP pipeline: every row here but 16/64 x 2048+2048 with roles)
+        transitions = calls["build_segment_state"]
+        assert transitions[0] is k and transitions[3] is v
+
+
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_fused_forward_launches_only_prebuilt_variants(recorder, monkeypatch, with_h0):
     from flash_gdn.hopper.forward import hopper_forward
