@@ -16,7 +16,10 @@ microseconds per call), which shows a synchronising call (a malloc or free that 
 allocator's cache, a copy, a stream or event synchronisation) where host time tracks kernel time.
 ``--new-lengths``: inference calls whose first sequence is 7 tokens longer each call (60 lengths in
 turn, each with its own cu_seqlens tensor), so that every call misses the per-shape caches, as
-in serving, where the packed length changes from call to call.
+in serving, where the packed length changes from call to call. ``--split``: for every row, the
+issue time of its launches alone (each kernel's arguments as one call passed them, launched again
+back to back, also per kernel) and of its Python alone (every launch a no-op): what a launch costs
+against what the Python around them costs (s77).
 """
 
 import cProfile
@@ -120,9 +123,52 @@ def cuda_api_calls(call, calls: int = 20) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[2])
 
 
+def split_host_time(call) -> list[str]:
+    """Lines: the issue time per call of ``call``'s launches alone (their arguments recorded from
+    one call, launched again), per kernel, and of its Python alone (``Launcher.__call__`` a no-op);
+    each the fastest and the median batch (``host_and_eager_us``), us."""
+    from flash_gdn.hopper import launch
+
+    launch_kernel = launch.Launcher.__call__
+    recorded = []
+
+    def recording(self, *args):
+        recorded.append((self, args))
+        return launch_kernel(self, *args)
+
+    launch.Launcher.__call__ = recording
+    try:
+        call()
+    finally:
+        launch.Launcher.__call__ = launch_kernel
+
+    def launches(which=None):
+        def run():
+            for kernel, args in recorded if which is None else (recorded[which],):
+                kernel(*args)
+        return run
+
+    def host(fn):
+        best, _, median = host_and_eager_us(fn)
+        return f"{best:.1f} / {median:.1f}"
+
+    lines = [f"{len(recorded)} launches alone: {host(launches())} us (fastest / median batch)"]
+    for i, (kernel, args) in enumerate(recorded):
+        name = getattr(getattr(kernel, "kernel", None), "prim_func", None)
+        name = str(name.attrs["global_symbol"]) if name is not None else f"kernel {i}"
+        lines.append(f"  {name} ({len(args)} arguments): {host(launches(i))} us")
+    launch.Launcher.__call__ = lambda self, *args: None
+    try:
+        lines.append(f"Python alone (launches no-ops): {host(call)} us")
+    finally:
+        launch.Launcher.__call__ = launch_kernel
+    return lines
+
+
 def main(argv):
     profile_first = "--profile" in argv
     api = "--api" in argv
+    split = "--split" in argv
     mode = ("train" if "--train" in argv else "backward" if "--backward" in argv
             else "new_lengths" if "--new-lengths" in argv else "forward")
     specs = [a for a in argv if not a.startswith("--")] or ["2/8:1x2048", "16/16:1x2048", "8/32:1024x8"]
@@ -137,6 +183,9 @@ def main(argv):
         print(f"{spec:<16} {host:8.1f} {median:7.1f} {eager:9.1f} {kernel:10.1f} {eager - kernel:13.1f}", flush=True)
         if api:
             print("    " + "; ".join(f"{name} x{n:g} {us:.1f} us" for name, n, us in cuda_api_calls(call)), flush=True)
+        if split:
+            for line in split_host_time(call):
+                print("    " + line, flush=True)
         if profile_first and i == 0:
             prof = cProfile.Profile()
             prof.enable()
