@@ -474,7 +474,9 @@ class BackwardConfig:
         else:
             prep = saved["prepared"]
             qf, kf, vf, bf, w, a_u, gamma, a_r = prep.q, prep.k, prep.v, prep.beta, prep.w, None, prep.gamma, prep.a_r
-            k4, v4 = kf.view(batch, seq_len, *kf.shape[1:]), vf.view(batch, seq_len, *vf.shape[1:])
+            # (the caller's layout again, for segment_state: two views, taken only where CP runs it)
+            k4, v4 = ((kf.view(batch, seq_len, *kf.shape[1:]), vf.view(batch, seq_len, *vf.shape[1:])) if self.cp
+                      else (None, None))
             log_bound = None
             q_norm_inv, k_norm_inv = prep.q_norm_inv, prep.k_norm_inv
             del prep
