@@ -205,6 +205,195 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
     m0 = 0 if h_ahead else head_v  # M's first column in seg_state
     starts_shape = (num_segs, num_v_heads, head_k, head_v) if h_ahead else (T.dynamic("unused_starts"),)
 
+    @T.macro
+    def transition_cta(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state, trunc_flags, starts, cb, head,
+                       seg):
+        """One CTA's block of 64 [h | M] columns of one (segment, value head) (the module docstring)."""
+        k_tile = T.alloc_shared((CHUNK, head_k), dtype)
+        w_tile = T.alloc_shared((CHUNK, head_k), dtype) if not form_w else None
+        u_tile = T.alloc_shared((CHUNK, block_cols), dtype)  # U, or V with form_u
+        au_tile = T.alloc_shared((CHUNK, CHUNK), dtype) if form_u else None
+        gamma_s = T.alloc_shared((CHUNK,), ACCUM)
+        k_scale = T.alloc_shared((CHUNK,), ACCUM)
+        k_inv = T.alloc_shared((CHUNK,), ACCUM)
+        state_t = T.alloc_fragment((block_cols, head_k), ACCUM)  # X^T
+        state_a = T.alloc_fragment((block_cols, head_k), dtype)  # -X^T, the A operand of - X^T W^T
+        vn_t = T.alloc_fragment((block_cols, CHUNK), ACCUM)  # (U - W X)^T
+        vnw_a = T.alloc_fragment((block_cols, CHUNK), dtype)  # its columns weighted, the A operand of the update
+        # form_w: -X^T K^T, and its copy weighted by e^gamma r, the A operand of the product with A_g^T.
+        sk_t = T.alloc_fragment((block_cols, CHUNK), ACCUM) if form_w else None
+        skw_a = T.alloc_fragment((block_cols, CHUNK), dtype) if form_w else None
+        w_col = T.alloc_shared((CHUNK,), ACCUM) if form_w else None
+        qk_head = T.alloc_var("int32")
+        seg_start = T.alloc_var("int32")
+        seg_end = T.alloc_var("int32")
+        first_chunk = T.alloc_var("int32")
+        start = T.alloc_var("int32")
+        length = T.alloc_var("int32")
+        gamma_last = T.alloc_var(ACCUM)
+        decay = T.alloc_var(ACCUM)
+        sink = T.alloc_var(dtype)
+        bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM) if truncate else None
+        bound_sum = T.alloc_var(ACCUM) if truncate else None
+        window = T.alloc_var("int32") if truncate else None
+        seg_chunks = T.alloc_var("int32") if truncate else None
+        lead = T.alloc_local((1,), "int32") if reverse_window else None
+        lead_sum = T.alloc_local((1,), ACCUM) if reverse_window else None
+        next_chunks = T.alloc_var("int32") if defer_windows else None  # (the next segment's)
+        next_window = T.alloc_var("int32") if defer_windows else None
+        # 96 KB of shared memory (K = 128): two CTAs per SM.
+        T.annotate_min_blocks_per_sm(2)
+        T.annotate_producer_reg_dealloc(24)
+        T.annotate_consumer_reg_alloc(232)
+
+        u_col = T.min(cb, h_blocks - 1) * block_cols
+        m_col = (cb - h_blocks) * block_cols
+        qk_head = head // (num_v_heads // num_qk_heads)
+        seg_start = seg_info[seg, 0]
+        seg_end = seg_info[seg, 1]
+        first_chunk = seg_info[seg, 2]
+        if skip_first_m:
+            # A sequence's first segment follows the previous sequence's last one, which the
+            # plan hands in empty (segments before a sequence's last have whole chunks).
+            if cb >= h_blocks and (seg == 0 or seg_info[T.max(seg - 1, 0), 1] == seg_info[T.max(seg - 1, 0), 0]):
+                seg_end = seg_start  # its M: nothing to do, nothing written
+        if truncate:
+            # The shortest window of trailing chunks whose transition bounds sum to
+            # LOG_NEGLIGIBLE or less (0: none within WINDOW_CHUNKS). Every CTA of the
+            # (segment, head) finds the same. The bounds are loaded at once (indices clamped
+            # into the tensor; those past the segment's start are not summed).
+            seg_chunks = T.ceildiv(seg_end - seg_start, CHUNK)
+            load_window(log_bound, head, first_chunk + seg_chunks, bounds)
+            window = 0
+            bound_sum = T.cast(0, ACCUM)
+            for t in T.unroll(WINDOW_CHUNKS):
+                if window == 0 and t < seg_chunks:
+                    bound_sum = bound_sum + bounds[t]
+                    if bound_sum <= LOG_NEGLIGIBLE:
+                        window = t + 1
+            if reverse_window:  # (before the window below moves first_chunk)
+                leading_window(log_bound, head, first_chunk, seg_chunks, bounds, lead_sum, lead)
+            if window > 0:
+                if cb >= h_blocks:
+                    # M is zero to this tolerance for the forward scan; the reverse scan needs
+                    # it unless the leading window lets it take b_s alone.
+                    if reverse_window:
+                        if lead[0] > 0:
+                            seg_end = seg_start
+                    else:
+                        seg_end = seg_start  # nothing to do, nothing written
+                else:  # h over the window alone (segments before a sequence's last have whole chunks)
+                    seg_start = seg_end - window * CHUNK
+                    first_chunk = first_chunk + seg_chunks - window
+                    if defer_windows:
+                        # Only the scan's step of the next segment reads h_s, and only where that
+                        # segment's transition is exact (it multiplies S_start[s + 1] by M_{s + 1}); the
+                        # output kernel's CTA of segment s + 1 runs this window itself. (The next
+                        # segment's entry is empty where it is its sequence's last: no step.)
+                        next_chunks = T.ceildiv(seg_info[T.min(seg + 1, num_segs - 1), 1]
+                                                - seg_info[T.min(seg + 1, num_segs - 1), 0], CHUNK)
+                        load_window(log_bound, head, seg_info[T.min(seg + 1, num_segs - 1), 2] + next_chunks,
+                                    bounds)
+                        next_window = 0
+                        bound_sum = T.cast(0, ACCUM)
+                        for t in T.unroll(WINDOW_CHUNKS):
+                            if next_window == 0 and t < next_chunks:
+                                bound_sum = bound_sum + bounds[t]
+                                if bound_sum <= LOG_NEGLIGIBLE:
+                                    next_window = t + 1
+                        if seg + 1 >= num_segs or next_chunks == 0 or next_window > 0:
+                            seg_end = seg_start  # nothing reads it: nothing to do, nothing written
+            if cb == 0 and T.get_thread_binding() == 0:
+                if reverse_window:
+                    trunc_flags[seg, head] = (T.if_then_else(window > 0, TRAILING, 0)
+                                              + T.if_then_else(lead[0] > 0, LEADING, 0))
+                elif defer_windows:
+                    trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING + window * (1 << WINDOW_SHIFT), 0)
+                else:
+                    trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING, 0)
+        # X^T = 0 for h, the identity's columns (= its rows) for M.
+        for c, i in T.Parallel(block_cols, head_k):
+            state_t[c, i] = T.if_then_else(cb >= h_blocks and i == m_col + c, T.cast(1, ACCUM), T.cast(0, ACCUM))
+
+        for c in T.Pipelined(T.ceildiv(seg_end - seg_start, CHUNK), num_stages=num_stages):
+            T.copy(k[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
+            if not form_w:
+                T.copy(w[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
+            if form_u:
+                T.copy(v[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + block_cols], u_tile)
+                T.copy(a_u[first_chunk + c, head, 0:CHUNK, 0:CHUNK], au_tile)
+            else:
+                T.copy(u[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + block_cols], u_tile)
+            T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
+            T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
+            start = seg_start + c * CHUNK
+            length = T.min(seg_end - start, CHUNK)
+            gamma_last = gamma_s[length - 1]
+            decay = T.__exp(gamma_last)
+
+            # (U - W X)^T = U^T - X^T W^T: U^T first (no state needed; M blocks run with U = 0),
+            # then -X^T W^T from registers into the same accumulator.
+            for cc, i in T.Parallel(block_cols, head_k):
+                state_a[cc, i] = T.cast(-state_t[cc, i], dtype)
+            if form_w:
+                # -X^T W^T = ((-X^T K^T) diag(e^gamma r)) A_g^T: -X^T K^T first (with U^T = V^T
+                # A_g^T beside it in the h blocks), then its weighted copy times A_g^T.
+                if cb < h_blocks:
+                    T.wgmma_gemm(u_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True,
+                                 policy=ROWS)
+                T.wgmma_gemm(state_a, k_tile, sk_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                for i in T.Parallel(CHUNK):
+                    w_col[i] = T.__exp(gamma_s[i]) * k_inv[i]
+            elif cb < h_blocks:
+                if form_u:  # U^T = V^T A_g^T
+                    T.wgmma_gemm(u_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True,
+                                 policy=ROWS)
+                else:
+                    for cc, i in T.Parallel(block_cols, CHUNK):
+                        vn_t[cc, i] = T.cast(u_tile[i, cc], ACCUM)
+                T.wgmma_gemm(state_a, w_tile, vn_t, transpose_B=True, policy=ROWS)
+            else:  # (a branch of products only: a cleared accumulator before them serialises them)
+                T.wgmma_gemm(state_a, w_tile, vn_t, transpose_B=True, clear_accum=True, policy=ROWS)
+            # Row factors and the state's decay while the products run (state_t is in no
+            # product: they read its copy state_a).
+            for i in T.Parallel(CHUNK):
+                k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
+            for cc, i in T.Parallel(block_cols, head_k):
+                state_t[cc, i] = state_t[cc, i] * decay
+            T.wait_wgmma(0)
+            if form_w:
+                for cc, i in T.Parallel(block_cols, CHUNK):
+                    skw_a[cc, i] = T.cast(sk_t[cc, i] * w_col[i], dtype)
+                if cb < h_blocks:
+                    T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, policy=ROWS)
+                else:
+                    T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, clear_accum=True, policy=ROWS)
+                T.wait_wgmma(0)
+                if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
+                    sink = u_tile[0, 0] + au_tile[0, 0]
+            elif length < 0:  # never: as above
+                sink = w_tile[0, 0] + u_tile[0, 0] + (au_tile[0, 0] if form_u else T.cast(0, dtype))
+
+            # X^T += ((U - W X)^T diag(e^(gamma_C - gamma) r)) K: the K_g^T of the update as
+            # column weights on the register operand (zero past the segment's end).
+            for cc, i in T.Parallel(block_cols, CHUNK):
+                vnw_a[cc, i] = T.cast(vn_t[cc, i] * k_scale[i], dtype)
+            T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
+            T.wait_wgmma(0)
+            if length < 0:  # never: same for k_tile
+                sink = k_tile[0, 0]
+
+        if seg_end > seg_start:  # empty: a sequence's last segment, whose [h | M] nothing reads
+            if not h_ahead:
+                for cc, i in T.Parallel(block_cols, head_k):
+                    seg_state[seg, head, i, cb * block_cols + cc] = state_t[cc, i]
+            elif cb >= h_blocks:
+                for cc, i in T.Parallel(block_cols, head_k):
+                    seg_state[seg, head, i, m_col + cc] = state_t[cc, i]
+            elif seg + 1 < num_segs:  # h_s is the next segment's start state where M_s is zero
+                for cc, i in T.Parallel(block_cols, head_k):
+                    starts[seg + 1, head, i, u_col + cc] = state_t[cc, i]
+
     @T.prim_func
     def segment_state(
         k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
@@ -224,189 +413,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         # Column blocks fastest, then value heads, then segments (z: at most MAX_SEGMENT_SLOTS,
         # context_parallel): the plan's unused segment slots are dispatched last.
         with T.Kernel(h_blocks + head_k // block_cols, num_v_heads, num_segs, threads=128) as (cb, head, seg):
-            k_tile = T.alloc_shared((CHUNK, head_k), dtype)
-            w_tile = T.alloc_shared((CHUNK, head_k), dtype) if not form_w else None
-            u_tile = T.alloc_shared((CHUNK, block_cols), dtype)  # U, or V with form_u
-            au_tile = T.alloc_shared((CHUNK, CHUNK), dtype) if form_u else None
-            gamma_s = T.alloc_shared((CHUNK,), ACCUM)
-            k_scale = T.alloc_shared((CHUNK,), ACCUM)
-            k_inv = T.alloc_shared((CHUNK,), ACCUM)
-            state_t = T.alloc_fragment((block_cols, head_k), ACCUM)  # X^T
-            state_a = T.alloc_fragment((block_cols, head_k), dtype)  # -X^T, the A operand of - X^T W^T
-            vn_t = T.alloc_fragment((block_cols, CHUNK), ACCUM)  # (U - W X)^T
-            vnw_a = T.alloc_fragment((block_cols, CHUNK), dtype)  # its columns weighted, the A operand of the update
-            # form_w: -X^T K^T, and its copy weighted by e^gamma r, the A operand of the product with A_g^T.
-            sk_t = T.alloc_fragment((block_cols, CHUNK), ACCUM) if form_w else None
-            skw_a = T.alloc_fragment((block_cols, CHUNK), dtype) if form_w else None
-            w_col = T.alloc_shared((CHUNK,), ACCUM) if form_w else None
-            qk_head = T.alloc_var("int32")
-            seg_start = T.alloc_var("int32")
-            seg_end = T.alloc_var("int32")
-            first_chunk = T.alloc_var("int32")
-            start = T.alloc_var("int32")
-            length = T.alloc_var("int32")
-            gamma_last = T.alloc_var(ACCUM)
-            decay = T.alloc_var(ACCUM)
-            sink = T.alloc_var(dtype)
-            bounds = T.alloc_local((WINDOW_CHUNKS,), ACCUM) if truncate else None
-            bound_sum = T.alloc_var(ACCUM) if truncate else None
-            window = T.alloc_var("int32") if truncate else None
-            seg_chunks = T.alloc_var("int32") if truncate else None
-            lead = T.alloc_local((1,), "int32") if reverse_window else None
-            lead_sum = T.alloc_local((1,), ACCUM) if reverse_window else None
-            next_chunks = T.alloc_var("int32") if defer_windows else None  # (the next segment's)
-            next_window = T.alloc_var("int32") if defer_windows else None
-            # 96 KB of shared memory (K = 128): two CTAs per SM.
-            T.annotate_min_blocks_per_sm(2)
-            T.annotate_producer_reg_dealloc(24)
-            T.annotate_consumer_reg_alloc(232)
-
-            u_col = T.min(cb, h_blocks - 1) * block_cols
-            m_col = (cb - h_blocks) * block_cols
-            qk_head = head // (num_v_heads // num_qk_heads)
-            seg_start = seg_info[seg, 0]
-            seg_end = seg_info[seg, 1]
-            first_chunk = seg_info[seg, 2]
-            if skip_first_m:
-                # A sequence's first segment follows the previous sequence's last one, which the
-                # plan hands in empty (segments before a sequence's last have whole chunks).
-                if cb >= h_blocks and (seg == 0 or seg_info[T.max(seg - 1, 0), 1] == seg_info[T.max(seg - 1, 0), 0]):
-                    seg_end = seg_start  # its M: nothing to do, nothing written
-            if truncate:
-                # The shortest window of trailing chunks whose transition bounds sum to
-                # LOG_NEGLIGIBLE or less (0: none within WINDOW_CHUNKS). Every CTA of the
-                # (segment, head) finds the same. The bounds are loaded at once (indices clamped
-                # into the tensor; those past the segment's start are not summed).
-                seg_chunks = T.ceildiv(seg_end - seg_start, CHUNK)
-                load_window(log_bound, head, first_chunk + seg_chunks, bounds)
-                window = 0
-                bound_sum = T.cast(0, ACCUM)
-                for t in T.unroll(WINDOW_CHUNKS):
-                    if window == 0 and t < seg_chunks:
-                        bound_sum = bound_sum + bounds[t]
-                        if bound_sum <= LOG_NEGLIGIBLE:
-                            window = t + 1
-                if reverse_window:  # (before the window below moves first_chunk)
-                    leading_window(log_bound, head, first_chunk, seg_chunks, bounds, lead_sum, lead)
-                if window > 0:
-                    if cb >= h_blocks:
-                        # M is zero to this tolerance for the forward scan; the reverse scan needs
-                        # it unless the leading window lets it take b_s alone.
-                        if reverse_window:
-                            if lead[0] > 0:
-                                seg_end = seg_start
-                        else:
-                            seg_end = seg_start  # nothing to do, nothing written
-                    else:  # h over the window alone (segments before a sequence's last have whole chunks)
-                        seg_start = seg_end - window * CHUNK
-                        first_chunk = first_chunk + seg_chunks - window
-                        if defer_windows:
-                            # Only the scan's step of the next segment reads h_s, and only where that
-                            # segment's transition is exact (it multiplies S_start[s + 1] by M_{s + 1}); the
-                            # output kernel's CTA of segment s + 1 runs this window itself. (The next
-                            # segment's entry is empty where it is its sequence's last: no step.)
-                            next_chunks = T.ceildiv(seg_info[T.min(seg + 1, num_segs - 1), 1]
-                                                    - seg_info[T.min(seg + 1, num_segs - 1), 0], CHUNK)
-                            load_window(log_bound, head, seg_info[T.min(seg + 1, num_segs - 1), 2] + next_chunks,
-                                        bounds)
-                            next_window = 0
-                            bound_sum = T.cast(0, ACCUM)
-                            for t in T.unroll(WINDOW_CHUNKS):
-                                if next_window == 0 and t < next_chunks:
-                                    bound_sum = bound_sum + bounds[t]
-                                    if bound_sum <= LOG_NEGLIGIBLE:
-                                        next_window = t + 1
-                            if seg + 1 >= num_segs or next_chunks == 0 or next_window > 0:
-                                seg_end = seg_start  # nothing reads it: nothing to do, nothing written
-                if cb == 0 and T.get_thread_binding() == 0:
-                    if reverse_window:
-                        trunc_flags[seg, head] = (T.if_then_else(window > 0, TRAILING, 0)
-                                                  + T.if_then_else(lead[0] > 0, LEADING, 0))
-                    elif defer_windows:
-                        trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING + window * (1 << WINDOW_SHIFT), 0)
-                    else:
-                        trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING, 0)
-            # X^T = 0 for h, the identity's columns (= its rows) for M.
-            for c, i in T.Parallel(block_cols, head_k):
-                state_t[c, i] = T.if_then_else(cb >= h_blocks and i == m_col + c, T.cast(1, ACCUM), T.cast(0, ACCUM))
-
-            for c in T.Pipelined(T.ceildiv(seg_end - seg_start, CHUNK), num_stages=num_stages):
-                T.copy(k[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, qk_head, 0:head_k], k_tile)
-                if not form_w:
-                    T.copy(w[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, 0:head_k], w_tile)
-                if form_u:
-                    T.copy(v[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + block_cols], u_tile)
-                    T.copy(a_u[first_chunk + c, head, 0:CHUNK, 0:CHUNK], au_tile)
-                else:
-                    T.copy(u[seg_start + c * CHUNK:seg_start + (c + 1) * CHUNK, head, u_col:u_col + block_cols], u_tile)
-                T.copy(gamma[head, first_chunk + c, 0:CHUNK], gamma_s)
-                T.copy(k_norm_inv[qk_head, first_chunk + c, 0:CHUNK], k_inv)
-                start = seg_start + c * CHUNK
-                length = T.min(seg_end - start, CHUNK)
-                gamma_last = gamma_s[length - 1]
-                decay = T.__exp(gamma_last)
-
-                # (U - W X)^T = U^T - X^T W^T: U^T first (no state needed; M blocks run with U = 0),
-                # then -X^T W^T from registers into the same accumulator.
-                for cc, i in T.Parallel(block_cols, head_k):
-                    state_a[cc, i] = T.cast(-state_t[cc, i], dtype)
-                if form_w:
-                    # -X^T W^T = ((-X^T K^T) diag(e^gamma r)) A_g^T: -X^T K^T first (with U^T = V^T
-                    # A_g^T beside it in the h blocks), then its weighted copy times A_g^T.
-                    if cb < h_blocks:
-                        T.wgmma_gemm(u_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True,
-                                     policy=ROWS)
-                    T.wgmma_gemm(state_a, k_tile, sk_t, transpose_B=True, clear_accum=True, policy=ROWS)
-                    for i in T.Parallel(CHUNK):
-                        w_col[i] = T.__exp(gamma_s[i]) * k_inv[i]
-                elif cb < h_blocks:
-                    if form_u:  # U^T = V^T A_g^T
-                        T.wgmma_gemm(u_tile, au_tile, vn_t, transpose_A=True, transpose_B=True, clear_accum=True,
-                                     policy=ROWS)
-                    else:
-                        for cc, i in T.Parallel(block_cols, CHUNK):
-                            vn_t[cc, i] = T.cast(u_tile[i, cc], ACCUM)
-                    T.wgmma_gemm(state_a, w_tile, vn_t, transpose_B=True, policy=ROWS)
-                else:  # (a branch of products only: a cleared accumulator before them serialises them)
-                    T.wgmma_gemm(state_a, w_tile, vn_t, transpose_B=True, clear_accum=True, policy=ROWS)
-                # Row factors and the state's decay while the products run (state_t is in no
-                # product: they read its copy state_a).
-                for i in T.Parallel(CHUNK):
-                    k_scale[i] = T.if_then_else(i < length, T.__exp(gamma_last - gamma_s[i]) * k_inv[i], T.cast(0, ACCUM))
-                for cc, i in T.Parallel(block_cols, head_k):
-                    state_t[cc, i] = state_t[cc, i] * decay
-                T.wait_wgmma(0)
-                if form_w:
-                    for cc, i in T.Parallel(block_cols, CHUNK):
-                        skw_a[cc, i] = T.cast(sk_t[cc, i] * w_col[i], dtype)
-                    if cb < h_blocks:
-                        T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, policy=ROWS)
-                    else:
-                        T.wgmma_gemm(skw_a, au_tile, vn_t, transpose_B=True, clear_accum=True, policy=ROWS)
-                    T.wait_wgmma(0)
-                    if length < 0:  # never: reads after the wait, so these tiles go back to the producer only now
-                        sink = u_tile[0, 0] + au_tile[0, 0]
-                elif length < 0:  # never: as above
-                    sink = w_tile[0, 0] + u_tile[0, 0] + (au_tile[0, 0] if form_u else T.cast(0, dtype))
-
-                # X^T += ((U - W X)^T diag(e^(gamma_C - gamma) r)) K: the K_g^T of the update as
-                # column weights on the register operand (zero past the segment's end).
-                for cc, i in T.Parallel(block_cols, CHUNK):
-                    vnw_a[cc, i] = T.cast(vn_t[cc, i] * k_scale[i], dtype)
-                T.wgmma_gemm(vnw_a, k_tile, state_t, policy=ROWS)
-                T.wait_wgmma(0)
-                if length < 0:  # never: same for k_tile
-                    sink = k_tile[0, 0]
-
-            if seg_end > seg_start:  # empty: a sequence's last segment, whose [h | M] nothing reads
-                if not h_ahead:
-                    for cc, i in T.Parallel(block_cols, head_k):
-                        seg_state[seg, head, i, cb * block_cols + cc] = state_t[cc, i]
-                elif cb >= h_blocks:
-                    for cc, i in T.Parallel(block_cols, head_k):
-                        seg_state[seg, head, i, m_col + cc] = state_t[cc, i]
-                elif seg + 1 < num_segs:  # h_s is the next segment's start state where M_s is zero
-                    for cc, i in T.Parallel(block_cols, head_k):
-                        starts[seg + 1, head, i, u_col + cc] = state_t[cc, i]
+            transition_cta(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state, trunc_flags, starts, cb,
+                           head, seg)
 
     return segment_state
