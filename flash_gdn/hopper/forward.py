@@ -29,7 +29,7 @@ from .prepare_wu import (FORWARD_CP_OUTPUTS, FORWARD_OUTPUTS, SAVED_STATE_OUTPUT
                          flat_inputs, kept_for_backward, kernel_inputs, launch_prepare, prepare_buffers, run_prepare,
                          with_bound, with_factors, with_inverse, with_w)
 from .segment_scan import build_segment_scan
-from .segment_state import build_segment_state, no_starts, no_truncation, transition_sources
+from .segment_state import SCAN_COLS, build_segment_state, no_starts, no_truncation, transition_sources
 from .state_output import build_state_output
 from .state_output_roles import build_state_output_roles
 from .state_output_vmajor import build_state_output_vmajor
@@ -68,6 +68,12 @@ def use_state_roles(dv: int) -> bool:
     return dv == 128 and env_get("FLASH_GDN_STATE_ROLES", "1") != "0"
 
 
+def use_fused_scan() -> bool:
+    """Whether the CP pipeline's scan runs in the transitions' launch (``segment_state``'s ``fuse_scan``: one
+    launch fewer a call). Opt-in (``FLASH_GDN_FUSED_SCAN=1``): a prototype not yet run on a GPU (s77)."""
+    return env_get("FLASH_GDN_FUSED_SCAN", "0") == "1"
+
+
 def fused_opted_in() -> bool:
     """The opt-in switch of the one-kernel forward (``FLASH_GDN_FUSED=1``; also what ``warmup`` builds)."""
     return env_get("FLASH_GDN_FUSED", "0") == "1"
@@ -80,15 +86,16 @@ _KERNELS: dict[tuple, ForwardKernels] = {}
 
 def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
                     fused=False, keep_inverse=False, roles=False, lead_in=False, keep_w=False,
-                    keep_bound=False) -> ForwardKernels:
+                    keep_bound=False, fused_scan=False) -> ForwardKernels:
     """The configuration's kernels, compiled together at its first call (``prebuild``).
     ``keep_inverse``: the default forward also writes A_r for the backward, and with ``keep_w`` and
     ``keep_bound`` W and the log bounds (``backward.forward_keeps``). ``roles``: the
     output kernel is ``state_output_roles`` (``use_state_roles``). ``lead_in`` (with ``cp`` and
     ``roles``): CP by lead-in segments (``context_parallel.SegmentRule.lead_in``): no transitions,
-    no scan."""
+    no scan. ``fused_scan`` (the CP pipeline with ``roles``; ``use_fused_scan``): the scan runs in the
+    transitions' launch (``segment_state``'s ``fuse_scan``), ``scan`` is None."""
     key = (dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split, fused, keep_inverse, roles,
-           lead_in, keep_w, keep_bound)
+           lead_in, keep_w, keep_bound, fused_scan)
     kernels = _KERNELS.get(key)
     if kernels is None:
         build_together(("forward", *key), lambda: forward_builders(*key))
@@ -99,7 +106,7 @@ def forward_kernels(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_
 
 def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
                      fused=False, keep_inverse=False, roles=False, lead_in=False, keep_w=False,
-                     keep_bound=False) -> ForwardKernels:
+                     keep_bound=False, fused_scan=False) -> ForwardKernels:
     """``ForwardKernels`` of zero-argument builders: the one place that picks the variants."""
     if fused:
         return ForwardKernels(None, None, None, lambda: build_forward_fused(dk, dv, tl_dtype, gate_dtype, has_h0))
@@ -128,10 +135,10 @@ def _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save
         # The default forward's put h_s in S_start[s + 1]'s slot, and its scan runs there in place
         # (segment_state's h_ahead): a truncated transition's scan step is then done.
         (lambda: build_segment_state(dk, dv, tl_dtype, default, not has_h0, default, default, h_ahead=default,
-                                     defer_windows=default and roles))
+                                     defer_windows=default and roles, fuse_scan=fused_scan))
         if segment_states else None,
         (lambda: build_segment_scan(dk, dv, has_h0, truncated=default, offsets_in_out=default, m_alone=default))
-        if segment_states else None,
+        if segment_states and not fused_scan else None,
         output,
     )
 
@@ -240,7 +247,8 @@ def default_forward_call(q, g, beta, problem: Problem, initial_state, cu_seqlens
     stream = planning.current_stream_handle(dev) if dev.type == "cuda" else None
     key = (problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, stream, threading.get_ident(), keep_inverse,
            env_get("FLASH_GDN_CP"), env_get("FLASH_GDN_CP_SEGMENT_CHUNKS"), env_get("FLASH_GDN_CP_LEAD_IN"),
-           env_get("FLASH_GDN_STATE_ROLES"), env_get("FLASH_GDN_KEEP_W") if keep_inverse else None)
+           env_get("FLASH_GDN_STATE_ROLES"), env_get("FLASH_GDN_KEEP_W") if keep_inverse else None,
+           env_get("FLASH_GDN_FUSED_SCAN"))
     call = _CALLS.get(key)
     if call is None:
         call = DefaultForward(problem, q.dtype, gate_dtype, index_dtype, has_h0, dev, keep=True,
@@ -262,6 +270,7 @@ class _Workspace(NamedTuple):
     trunc_flags: torch.Tensor | None
     seg_states: torch.Tensor | None
     final_scratch: torch.Tensor | None
+    handoff: torch.Tensor | None = None  # (fused_scan: the transitions' counts, zero between calls)
     nbytes: int = 0  # (summed once: ``_keep`` runs over every kept workspace at each new key)
 
 
@@ -314,11 +323,12 @@ class DefaultForward:
 
             compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=self.keeps_a_g(use_l2),
                           kept_w=self.keep_w, kept_bound=self.keep_bound)
+        self.fused_scan = self.cp and not self.lead_in and roles and use_fused_scan()
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,
                                        roles=roles, lead_in=self.lead_in, keep_w=self.keep_w,
-                                       keep_bound=self.keep_bound)
+                                       keep_bound=self.keep_bound, fused_scan=self.fused_scan)
         self.keep = keep
         self.workspace: _Workspace | None = None
 
@@ -335,7 +345,9 @@ class DefaultForward:
             buf = torch.empty(transition_elems + capacity * hv, dtype=torch.float32, device=dev)
             ws = _Workspace(prep, buf[:transition_elems].view(capacity, hv, dk, dk),
                             buf[transition_elems:].view(torch.int32).view(capacity, hv),
-                            torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev), None)
+                            torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev), None,
+                            torch.zeros(capacity, hv, dv // SCAN_COLS, dtype=torch.int32, device=dev)
+                            if self.fused_scan else None)
         else:
             ws = _Workspace(prep, None, None, None, torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev))
         if self.keep:
@@ -397,6 +409,14 @@ class DefaultForward:
             segs = plan.segments
             _output_pass(kernels, state_inputs, segs.seg_info, final_state, h0, p.scale, o,
                          (*q_norms, plan.seq_info, plan.chunk_seq, segs.seg_meta, prep.log_bound))
+        elif self.fused_scan:  # the scan's CTAs in the transitions' launch wait for them (segment_state's fuse_scan)
+            segs = plan.segments
+            kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
+                                prep.log_bound, ws.seg_state, ws.trunc_flags, ws.seg_states, segs.seg_meta,
+                                ws.seg_states if h0 is None else h0, ws.handoff)
+            kernels.output(*state_inputs, segs.seg_info, ws.seg_states, p.scale, o, ws.seg_states, *q_norms,
+                           ws.trunc_flags)
+            final_state = ws.seg_states[segs.last_seg] if output_final_state else None
         else:
             segs = plan.segments
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
@@ -460,7 +480,7 @@ def _keep(call: DefaultForward, ws: _Workspace) -> bool:
 
 def _bytes(ws: _Workspace) -> int:
     total = 0
-    for t in (*ws.prep, ws.seg_state, ws.trunc_flags, ws.seg_states, ws.final_scratch):
+    for t in (*ws.prep, ws.seg_state, ws.trunc_flags, ws.seg_states, ws.final_scratch, ws.handoff):
         if t is not None:
             total += t.numel() * t.element_size()
     return total
@@ -501,11 +521,11 @@ def _prepare_outputs(save_states: bool, cp: bool, keep_inverse: bool = False, ke
 
 
 def forward_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split=False, fused=False,
-                     keep_inverse=False, roles=False, lead_in=False, keep_w=False, keep_bound=False):
+                     keep_inverse=False, roles=False, lead_in=False, keep_w=False, keep_bound=False, fused_scan=False):
     """The kernels one forward call launches (``prebuild``: compiled together at first use;
     one left out here is still compiled when it first launches)."""
     builders = [b for b in _kernel_builders(dk, dv, tl_dtype, gate_dtype, index_dtype, has_h0, cp, save_states, split,
-                                            fused, keep_inverse, roles, lead_in, keep_w, keep_bound)
+                                            fused, keep_inverse, roles, lead_in, keep_w, keep_bound, fused_scan)
                 if b is not None]
     if index_dtype is not None:  # the varlen chunk map (plan_kernels)
         builders += [lambda: build_sequence_prefix(index_dtype), build_cut_pieces]

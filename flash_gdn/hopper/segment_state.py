@@ -95,6 +95,8 @@ LOG_NEGLIGIBLE = -20.0  # log of the largest factor a truncated state part may c
 TRAILING, LEADING = 1, 2
 # ``defer_windows``: the trailing window's length in trunc_flags above the flag bits.
 WINDOW_SHIFT = 4
+# ``fuse_scan``: the scan's columns a CTA (segment_scan's BLOCK_COLS).
+SCAN_COLS = 32
 
 
 @T.macro
@@ -144,7 +146,8 @@ def find_window(bounds, earlier, found):
 @functools.lru_cache(maxsize=None)
 def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = False, skip_first_m: bool = False,
                         truncate: bool = False, form_w: bool = False, num_stages: int = 2,
-                        reverse_window: bool = False, h_ahead: bool = False, defer_windows: bool = False):
+                        reverse_window: bool = False, h_ahead: bool = False, defer_windows: bool = False,
+                        fuse_scan: bool = False):
     """Arguments: ``(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state,
     trunc_flags, starts)``; without ``truncate`` ``log_bound`` and ``trunc_flags`` are not touched
     (any small buffer: ``no_truncation``); with ``form_w`` (which needs ``form_u``: A_g) ``w`` is
@@ -158,8 +161,10 @@ def build_segment_state(head_k: int, head_v: int, dtype: str, form_u: bool = Fal
         raise ValueError("segment_state: form_w needs form_u (W S is formed from K and A_g)")
     if reverse_window and (not truncate or skip_first_m):
         raise ValueError("segment_state: reverse_window needs truncate, and every M (not skip_first_m)")
+    if fuse_scan and not defer_windows:
+        raise ValueError("segment_state: fuse_scan is the default forward's variant (defer_windows)")
     return Launcher(_segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages,
-                                          reverse_window, h_ahead, defer_windows))
+                                          reverse_window, h_ahead, defer_windows, fuse_scan))
 
 
 def no_truncation(device) -> tuple:
@@ -185,7 +190,7 @@ def transition_sources(u=None, v=None, a_u=None) -> tuple:
 
 @jit
 def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate, form_w, num_stages, reverse_window,
-                          h_ahead=False, defer_windows=False):
+                          h_ahead=False, defer_windows=False, fuse_scan=False):
     batch, seq_len = T.dynamic("batch, seq_len")  # k (and v, where read) are the caller's [B, T, H, D] (token_rows)
     tokens = batch * seq_len
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -207,8 +212,9 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
 
     @T.macro
     def transition_cta(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state, trunc_flags, starts, cb, head,
-                       seg):
-        """One CTA's block of 64 [h | M] columns of one (segment, value head) (the module docstring)."""
+                       seg, handoff=None):
+        """One CTA's block of 64 [h | M] columns of one (segment, value head) (the module docstring); with
+        ``fuse_scan`` it then hands the segment over to the scan CTAs (``handoff``)."""
         k_tile = T.alloc_shared((CHUNK, head_k), dtype)
         w_tile = T.alloc_shared((CHUNK, head_k), dtype) if not form_w else None
         u_tile = T.alloc_shared((CHUNK, block_cols), dtype)  # U, or V with form_u
@@ -393,6 +399,22 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
             elif seg + 1 < num_segs:  # h_s is the next segment's start state where M_s is zero
                 for cc, i in T.Parallel(block_cols, head_k):
                     starts[seg + 1, head, i, u_col + cc] = state_t[cc, i]
+        if handoff is not None:  # (fuse_scan)
+            # A step of the scan (a used segment that is not its sequence's last: seg_info non-empty as
+            # handed in) is handed over once this CTA's stores are visible: every storing thread fences,
+            # they meet at a barrier (after the pipelined loop only the consumer warpgroup runs: TileLang
+            # makes it that warpgroup's barrier), and one of them writes the flags again (the first write,
+            # above, was the producer's thread, which that barrier does not order), fences and counts once
+            # for each scan column block.
+            if seg_info[seg, 1] > seg_info[seg, 0]:
+                T.call_extern("handle", "__threadfence")
+                T.sync_threads()
+                if T.get_thread_binding() == 0:
+                    if cb == 0:
+                        trunc_flags[seg, head] = T.if_then_else(window > 0, TRAILING + window * (1 << WINDOW_SHIFT), 0)
+                    T.call_extern("handle", "__threadfence")
+                    for sb in T.serial(head_v // SCAN_COLS):
+                        T.atomic_add(handoff[seg, head, sb], 1)
 
     @T.prim_func
     def segment_state(
@@ -416,4 +438,93 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
             transition_cta(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state, trunc_flags, starts, cb,
                            head, seg)
 
-    return segment_state
+    if not fuse_scan:
+        return segment_state
+    num_seqs = T.dynamic("num_seqs")
+    init_rows = T.dynamic("init_rows")
+    scan_blocks = head_v // SCAN_COLS
+    transition_blocks = h_blocks + head_k // block_cols  # the transition CTAs of a (segment, head): each counts once
+    assert scan_blocks == transition_blocks, "a scan CTA per transition CTA column (grid x)"
+
+    @T.macro
+    def scan_cta(seg_state, starts, seg_meta, init, trunc_flags, handoff, seq, sb, head):
+        """segment_scan's forward step in place (offsets_in_out, truncated, M alone), for the 32 columns ``sb``
+        of one (sequence, value head), after waiting for the sequence's transitions (``handoff``)."""
+        m_hi = T.alloc_fragment((head_k, head_k), "bfloat16")
+        m_lo = T.alloc_fragment((head_k, head_k), "bfloat16")
+        s_hi = T.alloc_shared((head_k, SCAN_COLS), "bfloat16")
+        s_lo = T.alloc_shared((head_k, SCAN_COLS), "bfloat16")
+        state = T.alloc_fragment((head_k, SCAN_COLS), ACCUM)
+        first = T.alloc_var("int32")
+        count = T.alloc_var("int32")
+        seg = T.alloc_var("int32")
+        reads = T.alloc_var("int32")
+        col = sb * SCAN_COLS
+        first = seg_meta[seq, 0]
+        count = seg_meta[seq, 1]
+        # Every transition CTA of the sequence's steps counts once per scan block; the counts go back to
+        # zero here, their one reader, so the next call starts from zero (graph replays included).
+        if T.get_thread_binding() == 0:
+            for j in T.serial(count - 1):
+                while T.atomic_load(handoff[first + j, head, sb], memory_order="acquire") < transition_blocks:
+                    T.call_extern("handle", "__nanosleep", 64)
+                T.atomic_store(handoff[first + j, head, sb], 0, memory_order="relaxed")
+            T.call_extern("handle", "__threadfence")
+        T.sync_threads()
+        if not skip_first_m:  # (has an initial state)
+            T.copy(init[seq, head, 0:head_k, col:col + SCAN_COLS], state)
+        else:
+            T.clear(state)
+        T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
+        for j in T.serial(count - 1):
+            seg = first + j
+            reads = T.if_then_else(T.bitwise_and(trunc_flags[seg, head], TRAILING) == 0, 1, 0)
+            if skip_first_m and j == 0:  # from a zero state the first step is h alone
+                reads = 0
+            if reads != 0:
+                for i, c in T.Parallel(head_k, SCAN_COLS):
+                    s_hi[i, c] = T.cast(state[i, c], "bfloat16")
+                    s_lo[i, c] = T.cast(state[i, c] - T.cast(T.cast(state[i, c], "bfloat16"), ACCUM), "bfloat16")
+                for i, kk in T.Parallel(head_k, head_k):
+                    m_hi[i, kk] = T.cast(seg_state[seg, head, i, kk], "bfloat16")
+                    m_lo[i, kk] = T.cast(seg_state[seg, head, i, kk]
+                                         - T.cast(T.cast(seg_state[seg, head, i, kk], "bfloat16"), ACCUM), "bfloat16")
+            T.copy(starts[seg + 1, head, 0:head_k, col:col + SCAN_COLS], state)
+            if reads != 0:
+                T.sync_threads()
+                T.gemm(m_lo, s_hi, state, policy=ROWS)
+                T.gemm(m_hi, s_lo, state, policy=ROWS)
+                T.gemm(m_hi, s_hi, state, policy=ROWS)
+                T.copy(state, starts[seg + 1, head, 0:head_k, col:col + SCAN_COLS])
+            T.sync_threads()  # (s_hi, s_lo are written again next step)
+
+    @T.prim_func
+    def segment_state_scan(
+        k: T.Tensor((batch, seq_len, num_qk_heads, head_k), dtype),
+        w: T.Tensor((w_tokens, w_heads, head_k), dtype),
+        u: T.Tensor((u_tokens, u_heads, head_v), dtype),
+        v: T.Tensor((v_batch, v_seq, v_heads, head_v), dtype),
+        a_u: T.Tensor((au_chunks, au_heads, CHUNK, CHUNK), dtype),
+        gamma: T.Tensor((num_v_heads, num_chunks, CHUNK), ACCUM),
+        k_norm_inv: T.Tensor((num_qk_heads, num_chunks, CHUNK), ACCUM),
+        seg_info: T.Tensor((num_segs, 3), "int32"),
+        log_bound: T.Tensor((bound_heads, bound_chunks), ACCUM),
+        seg_state: T.Tensor((num_segs, num_v_heads, head_k, m0 + head_k), ACCUM),
+        trunc_flags: T.Tensor((flag_segs, flag_heads), "int32"),
+        starts: T.Tensor(starts_shape, ACCUM),
+        seg_meta: T.Tensor((num_seqs, 3), "int32"),
+        init: T.Tensor((init_rows, num_v_heads, head_k, head_v), ACCUM),
+        handoff: T.Tensor((num_segs, num_v_heads, scan_blocks), "int32"),
+    ):
+        k, v = token_rows(k), token_rows(v)
+        # The transition CTAs first (as segment_state's grid), then one scan CTA per (sequence, column
+        # block, value head): dispatched after every transition CTA, a scan CTA waits only on CTAs already
+        # resident, so its waits end.
+        with T.Kernel(h_blocks + head_k // block_cols, num_v_heads, num_segs + num_seqs, threads=128) as (cb, head, z):
+            if z < num_segs:
+                transition_cta(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state, trunc_flags, starts,
+                               cb, head, z, handoff)
+            else:
+                scan_cta(seg_state, starts, seg_meta, init, trunc_flags, handoff, z - num_segs, cb, head)
+
+    return segment_state_scan
