@@ -97,6 +97,9 @@ TRAILING, LEADING = 1, 2
 WINDOW_SHIFT = 4
 # ``fuse_scan``: the scan's columns a CTA (segment_scan's BLOCK_COLS).
 SCAN_COLS = 32
+# ``fuse_scan``: polls of a hand-off count before a scan CTA gives up with a trap (a launch error, not a
+# hang): 2^24 polls of at least 64 ns each, over a second, far beyond any transition CTA's time.
+MAX_POLLS = 1 << 24
 
 
 @T.macro
@@ -465,9 +468,14 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         # Every transition CTA of the sequence's steps counts once per scan block; the counts go back to
         # zero here, their one reader, so the next call starts from zero (graph replays included).
         if T.get_thread_binding() == 0:
+            polls = T.alloc_var("int32")
+            polls = 0
             for j in T.serial(count - 1):
                 while T.atomic_load(handoff[first + j, head, sb], memory_order="acquire") < transition_blocks:
                     T.call_extern("handle", "__nanosleep", 64)
+                    polls += 1
+                    if polls > MAX_POLLS:
+                        T.call_extern("handle", "__trap")
                 T.atomic_store(handoff[first + j, head, sb], 0, memory_order="relaxed")
             T.call_extern("handle", "__threadfence")
         T.sync_threads()
