@@ -100,6 +100,7 @@ SCAN_COLS = 32
 # ``fuse_scan``: polls of a hand-off count before a scan CTA gives up with a trap (a launch error, not a
 # hang): 2^24 polls of at least 64 ns each, over a second, far beyond any transition CTA's time.
 MAX_POLLS = 1 << 24
+SCAN_THREADS = 256  # (the kernel's 128 threads and the producer warpgroup TileLang adds)
 
 
 @T.macro
@@ -462,6 +463,7 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         count = T.alloc_var("int32")
         seg = T.alloc_var("int32")
         reads = T.alloc_var("int32")
+        any_step = T.alloc_shared((1,), "int32")
         col = sb * SCAN_COLS
         first = seg_meta[seq, 0]
         count = seg_meta[seq, 1]
@@ -479,32 +481,57 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
                 T.atomic_store(handoff[first + j, head, sb], 0, memory_order="relaxed")
             T.call_extern("handle", "__threadfence")
         T.sync_threads()
+        # Whether some step multiplies (its TRAILING bit clear; a first step from a zero state is h alone):
+        # a step's flag a thread. Where none does, every slot already holds its start state (h_ahead).
+        tx = T.get_thread_binding()
+        if tx == 0:
+            any_step[0] = 0
+        T.sync_threads()
+        for jj in T.serial(T.ceildiv(count - 1, SCAN_THREADS)):
+            if jj * SCAN_THREADS + tx < count - 1 and (not skip_first_m or jj * SCAN_THREADS + tx > 0):
+                if T.bitwise_and(trunc_flags[first + jj * SCAN_THREADS + tx, head], TRAILING) == 0:
+                    any_step[0] = 1
+        T.sync_threads()
         if not skip_first_m:  # (has an initial state)
             T.copy(init[seq, head, 0:head_k, col:col + SCAN_COLS], state)
-        else:
+            T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
+        elif any_step[0] == 0:  # (no initial state and no product: the start is zero)
             T.clear(state)
-        T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
-        for j in T.serial(count - 1):
-            seg = first + j
-            reads = T.if_then_else(T.bitwise_and(trunc_flags[seg, head], TRAILING) == 0, 1, 0)
-            if skip_first_m and j == 0:  # from a zero state the first step is h alone
-                reads = 0
-            if reads != 0:
-                for i, c in T.Parallel(head_k, SCAN_COLS):
-                    s_hi[i, c] = T.cast(state[i, c], "bfloat16")
-                    s_lo[i, c] = T.cast(state[i, c] - T.cast(T.cast(state[i, c], "bfloat16"), ACCUM), "bfloat16")
-                for i, kk in T.Parallel(head_k, head_k):
-                    m_hi[i, kk] = T.cast(seg_state[seg, head, i, kk], "bfloat16")
-                    m_lo[i, kk] = T.cast(seg_state[seg, head, i, kk]
-                                         - T.cast(T.cast(seg_state[seg, head, i, kk], "bfloat16"), ACCUM), "bfloat16")
-            T.copy(starts[seg + 1, head, 0:head_k, col:col + SCAN_COLS], state)
-            if reads != 0:
-                T.sync_threads()
-                T.gemm(m_lo, s_hi, state, policy=ROWS)
-                T.gemm(m_hi, s_lo, state, policy=ROWS)
-                T.gemm(m_hi, s_hi, state, policy=ROWS)
-                T.copy(state, starts[seg + 1, head, 0:head_k, col:col + SCAN_COLS])
-            T.sync_threads()  # (s_hi, s_lo are written again next step)
+            T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
+        if any_step[0] != 0:
+            if skip_first_m:
+                T.clear(state)
+                T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
+            # In place, a step without its product is done (its slot holds h_s); ``current``: ``state``
+            # holds the next step's start, else the step that multiplies reads it from its slot.
+            current = T.alloc_var("int32")
+            current = 1
+            for j in T.serial(count - 1):
+                seg = first + j
+                reads = T.if_then_else(T.bitwise_and(trunc_flags[seg, head], TRAILING) == 0, 1, 0)
+                if skip_first_m and j == 0:  # from a zero state the first step is h alone
+                    reads = 0
+                if reads != 0:
+                    if current == 0:
+                        T.copy(starts[seg, head, 0:head_k, col:col + SCAN_COLS], state)
+                    for i, c in T.Parallel(head_k, SCAN_COLS):
+                        s_hi[i, c] = T.cast(state[i, c], "bfloat16")
+                        s_lo[i, c] = T.cast(state[i, c] - T.cast(T.cast(state[i, c], "bfloat16"), ACCUM), "bfloat16")
+                    for i, kk in T.Parallel(head_k, head_k):
+                        m_hi[i, kk] = T.cast(seg_state[seg, head, i, kk], "bfloat16")
+                        m_lo[i, kk] = T.cast(seg_state[seg, head, i, kk]
+                                             - T.cast(T.cast(seg_state[seg, head, i, kk], "bfloat16"), ACCUM),
+                                             "bfloat16")
+                    T.copy(starts[seg + 1, head, 0:head_k, col:col + SCAN_COLS], state)
+                    T.sync_threads()
+                    T.gemm(m_lo, s_hi, state, policy=ROWS)
+                    T.gemm(m_hi, s_lo, state, policy=ROWS)
+                    T.gemm(m_hi, s_hi, state, policy=ROWS)
+                    T.copy(state, starts[seg + 1, head, 0:head_k, col:col + SCAN_COLS])
+                    T.sync_threads()  # (s_hi, s_lo are written again next step)
+                    current = 1
+                else:
+                    current = 0
 
     @T.prim_func
     def segment_state_scan(
