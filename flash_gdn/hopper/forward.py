@@ -271,7 +271,6 @@ class _Workspace(NamedTuple):
     seg_states: torch.Tensor | None
     final_scratch: torch.Tensor | None
     handoff: torch.Tensor | None = None  # (fused_scan: the transitions' counts, zero between calls)
-    ticket: torch.Tensor | None = None  # (fused_scan: the CTAs' work counter, zero between calls)
     nbytes: int = 0  # (summed once: ``_keep`` runs over every kept workspace at each new key)
 
 
@@ -347,7 +346,8 @@ class DefaultForward:
             ws = _Workspace(prep, buf[:transition_elems].view(capacity, hv, dk, dk),
                             buf[transition_elems:].view(torch.int32).view(capacity, hv),
                             torch.empty(capacity, hv, dk, dv, dtype=torch.float32, device=dev), None,
-                            *(_handoff_buffers(capacity, hv, dv, dev) if self.fused_scan else (None, None)))
+                            torch.zeros(capacity, hv, dv // SCAN_COLS, dtype=torch.int32, device=dev)
+                            if self.fused_scan else None)
         else:
             ws = _Workspace(prep, None, None, None, torch.empty(p.num_seqs, hv, dk, dv, dtype=torch.float32, device=dev))
         if self.keep:
@@ -413,7 +413,7 @@ class DefaultForward:
             segs = plan.segments
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
                                 prep.log_bound, ws.seg_state, ws.trunc_flags, ws.seg_states, segs.seg_meta,
-                                ws.seg_states if h0 is None else h0, ws.handoff, ws.ticket)
+                                ws.seg_states if h0 is None else h0, ws.handoff)
             kernels.output(*state_inputs, segs.seg_info, ws.seg_states, p.scale, o, ws.seg_states, *q_norms,
                            ws.trunc_flags)
             final_state = ws.seg_states[segs.last_seg] if output_final_state else None
@@ -478,17 +478,9 @@ def _keep(call: DefaultForward, ws: _Workspace) -> bool:
     return True
 
 
-def _handoff_buffers(capacity: int, hv: int, dv: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """``segment_state``'s ``fuse_scan`` counters, zero (the kernel leaves them zero): the hand-off counts
-    ``[capacity, Hv, V / SCAN_COLS]`` and the ticket counter ``[1]``, in one allocation."""
-    counts = capacity * hv * (dv // SCAN_COLS)
-    buf = torch.zeros(counts + 1, dtype=torch.int32, device=dev)
-    return buf[:counts].view(capacity, hv, dv // SCAN_COLS), buf[counts:]
-
-
 def _bytes(ws: _Workspace) -> int:
     total = 0
-    for t in (*ws.prep, ws.seg_state, ws.trunc_flags, ws.seg_states, ws.final_scratch, ws.handoff, ws.ticket):
+    for t in (*ws.prep, ws.seg_state, ws.trunc_flags, ws.seg_states, ws.final_scratch, ws.handoff):
         if t is not None:
             total += t.numel() * t.element_size()
     return total

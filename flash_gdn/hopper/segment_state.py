@@ -550,29 +550,12 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         seg_meta: T.Tensor((num_seqs, 3), "int32"),
         init: T.Tensor((init_rows, num_v_heads, head_k, head_v), ACCUM),
         handoff: T.Tensor((num_segs, num_v_heads, scan_blocks), "int32"),
-        ticket: T.Tensor((1,), "int32"),
     ):
         k, v = token_rows(k), token_rows(v)
-        # A CTA's work is the ticket it draws, not its block index: tickets go out in the order CTAs start,
-        # so every transition CTA a scan CTA waits on has started before it (the hardware's block order is
-        # not relied on), and the waits end. The transitions' tickets come first (segment_state's order:
-        # column blocks fastest, then value heads, then segments), then one scan CTA per (sequence, value
-        # head, column block). The last ticket's taker sets the counter back to zero for the next launch.
-        blocks_x = transition_blocks
-        total = blocks_x * num_v_heads * (num_segs + num_seqs)
-        with T.Kernel(blocks_x, num_v_heads, num_segs + num_seqs, threads=128):
-            drawn = T.alloc_shared((1,), "int32")
-            work = T.alloc_var("int32")
-            if T.get_thread_binding() == 0:
-                work = T.atomic_add(ticket[0], 1, return_prev=True)
-                if work == total - 1:
-                    T.atomic_store(ticket[0], 0, memory_order="relaxed")
-                drawn[0] = work
-            T.sync_threads()
-            work = drawn[0]
-            cb = work % blocks_x
-            head = (work // blocks_x) % num_v_heads
-            z = work // (blocks_x * num_v_heads)
+        # The transition CTAs first (as segment_state's grid), then one scan CTA per (sequence, column
+        # block, value head): dispatched after every transition CTA, a scan CTA waits only on CTAs already
+        # resident, so its waits end.
+        with T.Kernel(h_blocks + head_k // block_cols, num_v_heads, num_segs + num_seqs, threads=128) as (cb, head, z):
             if z < num_segs:
                 transition_cta(k, w, u, v, a_u, gamma, k_norm_inv, seg_info, log_bound, seg_state, trunc_flags, starts,
                                cb, head, z, handoff)

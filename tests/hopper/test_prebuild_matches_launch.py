@@ -189,11 +189,10 @@ def test_the_scan_in_the_transitions_launch_is_opt_in(recorder, monkeypatch, wit
         hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False)
         assert [name for name, _ in recorder.calls] == names
         transitions = [a for name, a in recorder.calls if name == "build_segment_state"][0]
-        assert len(transitions) == (16 if opted == "1" else 12)
+        assert len(transitions) == (15 if opted == "1" else 12)
         if opted == "1":
             assert transitions[14].dtype == torch.int32 and transitions[14].shape == (transitions[11].shape[0], 8, 4)
             assert not transitions[14].any()  # (zero before the first call)
-            assert transitions[15].shape == (1,) and not transitions[15].any()  # (the ticket counter)
     assert recorder.launched <= recorder.built, recorder.launched - recorder.built
 
 
