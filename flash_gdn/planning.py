@@ -91,7 +91,8 @@ class ChunkPlan(NamedTuple):
 
 
 def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device,
-             seg_chunks: int | None = None, seg_target: int = 0, wave_ctas: int = 0) -> ChunkPlan:
+             seg_chunks: int | None = None, seg_target: int = 0, wave_ctas: int = 0,
+             is_capturing: bool | None = None) -> ChunkPlan:
     """The chunk map of a call: ``[B, T]`` tokens, packed by ``cu_seqlens`` when given; with
     ``seg_chunks``, also its segments of that many chunks (``ChunkPlan.segments``), or of
     more where ``seg_target`` asks (``balanced_segment_chunks``: lengths seen on the device);
@@ -103,11 +104,13 @@ def plan_for(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device: 
     (B, T, device, seg_chunks, seg_target, wave_ctas) and reused (no torch ops on later calls) - except during
     CUDA-graph capture, where ops are recorded, not run, so nothing may be cached. With
     ``cu_seqlens`` on a CUDA device the map of a recently seen, unmodified tensor is reused
-    (``_recent_device_plan``).
+    (``_recent_device_plan``). ``is_capturing``: ``capturing(device)`` where the caller has it
+    already (~1 us of host time on the GPU host).
     """
     if not isinstance(device, torch.device):
         device = torch.device(device)
-    is_capturing = capturing(device)
+    if is_capturing is None:
+        is_capturing = capturing(device)
     rule = (seg_chunks, seg_target, wave_ctas)
     if cu_seqlens is None and not is_capturing:
         return _batch_plan(batch, seq_len, _canonical(device), *rule)

@@ -71,7 +71,7 @@ def kernel_builders(head_dim: int, dtype: str):
                      (False, False, False, False, False, False), (False, True, False, False, False, False),
                      # the backward recomputing (saved: all False)
                      (True, False, True, False, True, False), (True, False, False, False, False, False))]
-    if d == 128:  # the default forward's with its scan in the same launch (opt-in: FLASH_GDN_FUSED_SCAN=1)
+    if d == 128:  # the default forward's with its scan in the same launch (FLASH_GDN_FUSED_SCAN, on by default)
         builders += [(f"segment_state[{dtype},skip_first_m={skip},fuse_scan=True]",
                       lambda skip=skip: build_segment_state(d, d, dtype, True, skip, True, True, h_ahead=True,
                                                             defer_windows=True, fuse_scan=True))

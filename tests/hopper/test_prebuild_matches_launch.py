@@ -140,7 +140,7 @@ def test_query_norms_of_the_fused_l2_norm_from_the_roles_kernel(recorder, monkey
         recorder.calls.clear()
         hopper_forward(q, k, v, g, beta, problem, None, True, use_l2, cu, False)
         names = [name for name, _ in recorder.calls]
-        assert ("build_segment_scan" in names) == cp
+        assert ("build_segment_state" in names) == cp
         normalize = [a[9] for name, a in recorder.calls if name == "build_prepare_wu"]
         output = [a for name, a in recorder.calls if name in ("build_state_output_roles", "build_state_output_vmajor")]
         assert len(normalize) == 1 and len(output) == 1
@@ -174,23 +174,27 @@ def test_the_callers_tensors_reach_the_kernels_as_they_are(recorder, monkeypatch
 
 
 @pytest.mark.parametrize("with_h0", [False, True])
-def test_the_scan_in_the_transitions_launch_is_opt_in(recorder, monkeypatch, with_h0):
-    """With FLASH_GDN_FUSED_SCAN=1 the CP pipeline (2/8 x 1x4096) runs three launches: the transitions'
-    variant with fuse_scan, its scan CTAs handed the sequences' segments, the initial state and the
-    hand-off counts; no segment_scan. Without it, four."""
+def test_the_scan_runs_in_the_transitions_launch(recorder, monkeypatch, with_h0):
+    """By default (and with FLASH_GDN_FUSED_SCAN=1) the CP pipeline (2/8 x 1x4096) runs three launches: the
+    transitions' variant with fuse_scan, its scan CTAs handed the sequences' segments, the initial state and
+    the hand-off counts; no segment_scan. With FLASH_GDN_FUSED_SCAN=0, four."""
     from flash_gdn.hopper.forward import hopper_forward
 
     q, k, v, g, beta, cu, problem = _inputs([4096], 2, 8)
     h0 = torch.zeros(1, 8, 128, 128) if with_h0 else None
     for opted, names in (("0", ["build_prepare_wu", "build_segment_state", "build_segment_scan", "build_state_output_roles"]),
-                         ("1", ["build_prepare_wu", "build_segment_state", "build_state_output_roles"])):
-        monkeypatch.setenv("FLASH_GDN_FUSED_SCAN", opted)
+                         ("1", ["build_prepare_wu", "build_segment_state", "build_state_output_roles"]),
+                         (None, ["build_prepare_wu", "build_segment_state", "build_state_output_roles"])):
+        if opted is None:
+            monkeypatch.delenv("FLASH_GDN_FUSED_SCAN", raising=False)
+        else:
+            monkeypatch.setenv("FLASH_GDN_FUSED_SCAN", opted)
         recorder.calls.clear()
         hopper_forward(q, k, v, g, beta, problem, h0, True, False, cu, False)
         assert [name for name, _ in recorder.calls] == names
         transitions = [a for name, a in recorder.calls if name == "build_segment_state"][0]
-        assert len(transitions) == (15 if opted == "1" else 12)
-        if opted == "1":
+        assert len(transitions) == (12 if opted == "0" else 15)
+        if opted != "0":
             assert transitions[14].dtype == torch.int32 and transitions[14].shape == (transitions[11].shape[0], 8, 4)
             assert not transitions[14].any()  # (zero before the first call)
     assert recorder.launched <= recorder.built, recorder.launched - recorder.built
