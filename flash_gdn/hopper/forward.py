@@ -68,11 +68,22 @@ def use_state_roles(dv: int) -> bool:
     return dv == 128 and env_get("FLASH_GDN_STATE_ROLES", "1") != "0"
 
 
-def use_fused_scan() -> bool:
-    """Whether the CP pipeline's scan runs in the transitions' launch (``segment_state``'s ``fuse_scan``: one
-    launch fewer a call, ~8-10 us of host time on the H200 host for 1-3 us of GPU time, s78). On unless
-    ``FLASH_GDN_FUSED_SCAN=0`` (then ``segment_scan`` runs as a launch of its own)."""
-    return env_get("FLASH_GDN_FUSED_SCAN", "1") != "0"
+# The CP pipeline's scan runs in the transitions' launch up to this many chunks x value heads (s78): there a
+# call's GPU time (at most ~95 us on an H200 over the bench's rows) is short enough for its host time
+# (60-100 us on the H200 host) to show in eager calls.
+FUSED_SCAN_MAX_CHUNK_HEADS = 2100
+
+
+def use_fused_scan(max_chunks: int, num_v_heads: int, capturing: bool) -> bool:
+    """Whether the CP pipeline's scan runs in the transitions' launch (``segment_state``'s ``fuse_scan``).
+    It saves a launch, ~8-10 us of host time on the H200 host, and costs ~2 us of GPU time (the transition
+    CTAs' hand-off). So by default it runs where the host time shows: eager calls of at most
+    ``FUSED_SCAN_MAX_CHUNK_HEADS`` chunks x value heads, and not in CUDA-graph capture (a replay pays no
+    host time). ``FLASH_GDN_FUSED_SCAN=1``: wherever the pipeline runs; ``=0``: never (s78)."""
+    switch = env_get("FLASH_GDN_FUSED_SCAN")
+    if switch is not None:
+        return switch != "0"
+    return not capturing and max_chunks * num_v_heads <= FUSED_SCAN_MAX_CHUNK_HEADS
 
 
 def fused_opted_in() -> bool:
@@ -324,7 +335,7 @@ class DefaultForward:
 
             compile_ahead(problem, dtype, gate_dtype, index_dtype, has_h0, dev, kept_a_g=self.keeps_a_g(use_l2),
                           kept_w=self.keep_w, kept_bound=self.keep_bound)
-        self.fused_scan = self.cp and not self.lead_in and roles and use_fused_scan()
+        self.fused_scan = self.cp and not self.lead_in and roles and use_fused_scan(max_chunks, hv, not keep)
         self.kernels = forward_kernels(dk, dv, TL_DTYPE[dtype], TL_DTYPE[gate_dtype],
                                        None if index_dtype is None else TL_DTYPE[index_dtype], has_h0, self.cp, False,
                                        split, keep_inverse=keep_inverse,

@@ -173,6 +173,30 @@ def test_the_callers_tensors_reach_the_kernels_as_they_are(recorder, monkeypatch
         assert transitions[0] is k and transitions[3] is v
 
 
+@pytest.mark.parametrize("switch, lengths, capturing, fused", [
+    (None, [4096], False, True),      # 65 chunks x 8 value heads: a short call, host-bound when eager
+    (None, [32768], False, False),    # 513 x 8 > FUSED_SCAN_MAX_CHUNK_HEADS: GPU-bound, the faster kernels
+    (None, [4096], True, False),      # captured into a CUDA graph: replays pay no host time
+    ("1", [32768], True, True),
+    ("0", [4096], False, False),
+])
+def test_where_the_scan_runs_in_the_transitions_launch(recorder, monkeypatch, switch, lengths, capturing, fused):
+    """The scan runs in the transitions' launch for short eager calls; FLASH_GDN_FUSED_SCAN=1 or 0 decides
+    it everywhere the CP pipeline runs."""
+    from flash_gdn import planning
+    from flash_gdn.hopper.forward import hopper_forward
+
+    if switch is None:
+        monkeypatch.delenv("FLASH_GDN_FUSED_SCAN", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_GDN_FUSED_SCAN", switch)
+    monkeypatch.setattr(planning, "capturing", lambda device: capturing)
+    q, k, v, g, beta, cu, problem = _inputs(lengths, 2, 8)
+    hopper_forward(q, k, v, g, beta, problem, None, True, False, cu, False)
+    names = [name for name, _ in recorder.calls]
+    assert "build_segment_state" in names and ("build_segment_scan" not in names) == fused
+
+
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_the_scan_runs_in_the_transitions_launch(recorder, monkeypatch, with_h0):
     """By default (and with FLASH_GDN_FUSED_SCAN=1) the CP pipeline (2/8 x 1x4096) runs three launches: the
