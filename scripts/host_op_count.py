@@ -69,7 +69,7 @@ def stub_kernels():
     patches.append(mock.patch.object(backward, "num_sms", lambda i: 132))
     # (through the cache of recent cu_seqlens plans, as on a GPU: the counted call is a repeat)
     patches.append(mock.patch.object(planning, "current_stream_handle", lambda d: 0))
-    def meta_plan(b, t, cu, d, s=None, st=0, w=0):
+    def meta_plan(b, t, cu, d, s=None, st=0, w=0, is_capturing=None):
         if cu is not None:
             return planning._recent_device_plan(b, t, cu, d, s, st, w)
         return planning._batch_plan(b, t, d, s, st, w)
