@@ -494,14 +494,10 @@ def _segment_state_kernel(head_k, head_v, dtype, form_u, skip_first_m, truncate,
         T.sync_threads()
         if not skip_first_m:  # (has an initial state)
             T.copy(init[seq, head, 0:head_k, col:col + SCAN_COLS], state)
-            T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
-        elif any_step[0] == 0:  # (no initial state and no product: the start is zero)
+        else:
             T.clear(state)
-            T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
+        T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
         if any_step[0] != 0:
-            if skip_first_m:
-                T.clear(state)
-                T.copy(state, starts[first, head, 0:head_k, col:col + SCAN_COLS])
             # In place, a step without its product is done (its slot holds h_s); ``current``: ``state``
             # holds the next step's start, else the step that multiplies reads it from its slot.
             current = T.alloc_var("int32")
