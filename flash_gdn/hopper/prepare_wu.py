@@ -46,7 +46,8 @@ from ..planning import ChunkPlan, capturing, plan_for
 from .launch import Launcher, jit
 from .mma_inverse import (INVERSE64_PRELUDE, LD_STRIDE, L_STRIDE, XH_STRIDE, mma_scaled_lower_inverse, mma_unit_lower_inverse,
                           scaled_inverse_name)
-from .tiles import (ACCUM, BLOCK, CHUNK, HALF, TL_DTYPE, blocked_unit_lower_inverse, inverse_row_norms, kernel_gate_dtype,
+from .tiles import (ACCUM, BLOCK, CHUNK, EXIT_IF_EMPTY_PRELUDE, HALF, TL_DTYPE, blocked_unit_lower_inverse, exit_if_empty,
+                    inverse_row_norms, kernel_gate_dtype,
                     pair_decay, token_rows)
 
 
@@ -202,7 +203,8 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
         # the heads of a group read the same K tile, and a sibling launched beside it finds the tile
         # in L2, or on its way there. (Launched chunks first, siblings were num_chunks CTAs apart, 512
         # on the 32k-token rows: -4 to -9 % of this kernel's time on an H200, s62.)
-        with T.Kernel(num_chunks * num_v_heads, threads=threads, prelude=INVERSE64_PRELUDE if mma else None) as item:
+        prelude = (INVERSE64_PRELUDE if mma else "") + EXIT_IF_EMPTY_PRELUDE
+        with T.Kernel(num_chunks * num_v_heads, threads=threads, prelude=prelude) as item:
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype) if write_u else None
             beta_s = T.alloc_shared((CHUNK,), ACCUM)
@@ -259,10 +261,9 @@ def _prepare_wu_kernel(head_k, head_v, dtype, gate_dtype, write_inverse, write_u
             writes_norms = head % (num_v_heads // num_qk_heads) == 0
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
-            # No guard on length > 0 (an unused chunk slot of a varlen plan, bounds (0, 0)): such a CTA
-            # computes on its slot and writes only its own slot's per-chunk rows, which nothing reads;
-            # token rows are masked by length. A guard is split by TileLang into one test per
-            # statement, which keeps ptxas from scheduling across statements (s45, wy_grads).
+            # An unused chunk slot of a varlen plan (bounds (0, 0)) ends here: its per-chunk rows are
+            # never read (tiles.exit_if_empty). Token rows are masked by length.
+            exit_if_empty(length)
             # K and V tiles by TMA (rows past the tensor come back as zeros), in flight while
             # beta and g are loaded. Rows past the chunk's end hold the next sequence's tokens:
             # beta = 0 there makes their rows and columns of A_g vanish.

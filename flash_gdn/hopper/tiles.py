@@ -31,6 +31,29 @@ def token_rows(x):
     return T.view(x, (x.shape[0] * x.shape[1], *x.shape[2:]))
 
 
+# A varlen plan's chunk map has room for one partial chunk a sequence more than its chunks need
+# (``planning.chunk_capacity``, from shapes: no host synchronisation), and ``plan_kernels`` leaves the
+# unused slots at the end with start == end. The chunk-parallel kernels launch a CTA for every slot;
+# one of an unused slot ends at once (``exit_if_empty``) instead of computing on the slot's empty
+# rows, whose results nothing reads. CTA-uniform (one slot a CTA) and before the CTA's first TMA
+# load or barrier wait, so every thread leaves together and nothing in flight outlives the CTA.
+# Not a ``length > 0`` guard around the body: TileLang splits such a guard into one test per
+# statement, which keeps ptxas from scheduling across them (s45).
+EXIT_IF_EMPTY_PRELUDE = r"""
+__device__ __forceinline__ void flash_gdn_exit_if_empty(int length) {
+  if (length <= 0) {
+    asm volatile("exit;");
+  }
+}
+"""
+
+
+@T.macro
+def exit_if_empty(length):
+    """End the CTA where its chunk slot is unused (``length`` <= 0; see ``EXIT_IF_EMPTY_PRELUDE``)."""
+    T.call_extern("handle", "flash_gdn_exit_if_empty", length)
+
+
 # torch dtype -> TileLang's name (inputs, gates, and the cu_seqlens index types)
 TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
             torch.int32: "int32", torch.int64: "int64"}

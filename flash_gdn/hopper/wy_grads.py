@@ -29,7 +29,7 @@ import tilelang.language as T
 
 from .launch import Launcher, jit
 from .partial_sums import REDUCE_PRELUDE, col_partials, col_sum, row_partials, row_sum
-from .tiles import ACCUM, CHUNK, HALF, pair_decay, store_chunk_rows
+from .tiles import ACCUM, CHUNK, EXIT_IF_EMPTY_PRELUDE, HALF, exit_if_empty, pair_decay, store_chunk_rows
 
 
 # Rows of the sums' partials buffer (``partial_sums``; a row sum two rows, a column sum four): R_u's
@@ -73,7 +73,7 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
         # One CTA per (chunk, value head), a chunk's value heads next to each other in launch order: a
         # group's heads read the same K tile, found in L2 by a sibling launched beside the first
         # (prepare_wu's grid, the same reason).
-        with T.Kernel(num_chunks * num_v_heads, threads=threads, prelude=REDUCE_PRELUDE) as item:
+        with T.Kernel(num_chunks * num_v_heads, threads=threads, prelude=REDUCE_PRELUDE + EXIT_IF_EMPTY_PRELUDE) as item:
             k_tile = T.alloc_shared((CHUNK, head_k), dtype)
             v_tile = T.alloc_shared((CHUNK, head_v), dtype)
             dvn_tile = T.alloc_shared((CHUNK, head_v), dtype)
@@ -115,10 +115,11 @@ def _wy_grads_kernel(head_k, head_v, dtype, gate_dtype, threads=256):
             qk_head = head // (num_v_heads // num_qk_heads)
             start = bounds[chunk_id, 0]
             length = bounds[chunk_id, 1] - start
-            # No guard on length > 0 (an unused chunk slot of a varlen plan, bounds (0, 0)): such a CTA
-            # computes on whatever its slot holds and writes only its own dgamma_wy row, which nothing
-            # reads; every other write is masked by length. A guard here is split by TileLang into one
-            # test per statement, and ptxas then cannot see that a product's wait ran on every path.
+            # An unused chunk slot of a varlen plan (bounds (0, 0)) ends here (tiles.exit_if_empty):
+            # its dgamma_wy row is never read, and every other write is masked by length. (Not a guard
+            # around the body: TileLang splits one into a test per statement, and ptxas then cannot see
+            # that a product's wait ran on every path.)
+            exit_if_empty(length)
             # The five tiles by TMA, all in flight at once; each is waited for before its first use.
             T.tma_copy(a_r[chunk_id, head, 0:CHUNK, 0:CHUNK], ar_h, barrier=ar_ready)
             T.tma_copy(k[start:start + CHUNK, qk_head, 0:head_k], k_tile, barrier=k_ready)

@@ -197,6 +197,22 @@ def test_chunk_parallel_grads_ask_for_two_ctas_per_sm(name):
         assert source.count("tl::tma_store(") >= 2
 
 
+@pytest.mark.parametrize("name", sorted(n for n in VARIANTS if n.startswith(("prepare_wu", "wy_grads"))))
+def test_unused_chunk_slots_end_before_their_first_load(name):
+    """A CTA of an unused chunk slot (a varlen plan's spare capacity, start == end) ends at once
+    (``tiles.exit_if_empty``, s79: 6 % of these kernels' CTAs at 8 sequences of 1024 tokens), and it
+    ends before the CTA issues its first TMA load, so no load is in flight into a CTA that has left."""
+    from tilelang import tvm
+
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        source = VARIANTS[name]().get_kernel_source()
+    body = source[source.index("__global__"):]
+    exit_call = body.find("flash_gdn_exit_if_empty(")
+    assert exit_call >= 0, f"{name}: unused chunk slots are not ended"
+    assert body.count("flash_gdn_exit_if_empty(") == 1
+    assert exit_call < body.index("tl::tma_load("), f"{name}: a TMA load before the exit"
+
+
 PARTIAL_SUM_KERNELS = ("fused_grads", "qk_grads", "wy_grads")
 
 
