@@ -47,8 +47,7 @@ from .launch import Launcher, jit
 from .mma_inverse import (INVERSE64_PRELUDE, LD_STRIDE, L_STRIDE, XH_STRIDE, mma_scaled_lower_inverse, mma_unit_lower_inverse,
                           scaled_inverse_name)
 from .tiles import (ACCUM, BLOCK, CHUNK, EXIT_IF_EMPTY_PRELUDE, HALF, TL_DTYPE, blocked_unit_lower_inverse, exit_if_empty,
-                    inverse_row_norms, kernel_gate_dtype,
-                    pair_decay, token_rows)
+                    inverse_row_norms, kernel_gate_dtype, pair_decay, token_rows)
 
 
 # What a call needs written, (write_inverse, write_u, write_au, write_w, write_bound,
