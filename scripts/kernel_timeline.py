@@ -11,11 +11,12 @@ the host takes to issue a call), so its kernels run as they do under CUDA graphs
 training, where the host is ahead of the GPU: every launch is waiting when the one before
 it ends. (The bench's kernel time is the busy time of calls issued back to back at the host's
 pace, so on host-bound rows it can miss an overlap of two streams' kernels that a queued call
-has: s80, the backward's two state passes at 2/4 x 1024x8 and 64 columns.) ``--eager``: a marker of a few cycles, so the timeline shows the host's pace instead
-(gaps where a kernel is not yet issued, and kernels of two streams ordered by when each was
-issued). s66: read in that mode, the backward's forward scan at 8/16 x 1x32768 seemed starved
-of SMs by the state-gradient pass issued before it (113 us instead of ~5); issued first, the
-bench's kernel time did not move - the starvation was the host's issue order.
+has: s80, the backward's two state passes at 2/4 x 1024x8 and 64 columns.) ``--eager``: a
+marker of a few cycles, so the timeline shows the host's pace instead (gaps where a kernel is
+not yet issued, and kernels of two streams ordered by when each was issued). s66: read in that
+mode, the backward's forward scan at 8/16 x 1x32768 seemed starved of SMs by the state-gradient
+pass issued before it (113 us instead of ~5); issued first, the bench's kernel time did not
+move - the starvation was the host's issue order.
 """
 
 import json
