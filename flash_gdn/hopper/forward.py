@@ -422,22 +422,21 @@ class DefaultForward:
             segs = plan.segments
             _output_pass(kernels, state_inputs, segs.seg_info, final_state, h0, p.scale, o,
                          (*q_norms, plan.seq_info, plan.chunk_seq, segs.seg_meta, prep.log_bound))
-        elif self.fused_scan:  # the scan's CTAs in the transitions' launch wait for them (segment_state's fuse_scan)
-            segs = plan.segments
-            kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
-                                prep.log_bound, ws.seg_state, ws.trunc_flags, ws.seg_states, segs.seg_meta,
-                                ws.seg_states if h0 is None else h0, ws.handoff)
-            kernels.output(*state_inputs, segs.seg_info, ws.seg_states, p.scale, o, ws.seg_states, *q_norms,
-                           ws.trunc_flags)
-            final_state = ws.seg_states[segs.last_seg] if output_final_state else None
         else:
             segs = plan.segments
+            # fused_scan: the scan's CTAs in the transitions' launch wait for them (segment_state's fuse_scan)
+            scan = (segs.seg_meta, ws.seg_states if h0 is None else h0, ws.handoff) if self.fused_scan else ()
             kernels.transitions(kf, prep.w, prep.u, vf, prep.a_u, prep.gamma, prep.k_norm_inv, segs.transition_info,
-                                prep.log_bound, ws.seg_state, ws.trunc_flags, ws.seg_states)
+                                prep.log_bound, ws.seg_state, ws.trunc_flags, ws.seg_states, *scan)
             # (the roles kernel reads the flags: it runs the truncated transitions' windows itself)
             extra = (*q_norms, ws.trunc_flags) if self.roles else q_norms
-            final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags, ws.seg_states,
-                                           h0, p.scale, o, extra, output_final_state, offsets_in_out=True)
+            if self.fused_scan:
+                kernels.output(*state_inputs, segs.seg_info, ws.seg_states, p.scale, o, ws.seg_states, *extra)
+                final_state = ws.seg_states[segs.last_seg] if output_final_state else None
+            else:
+                final_state = _scan_and_output(kernels, state_inputs, segs, ws.seg_state, ws.trunc_flags,
+                                               ws.seg_states, h0, p.scale, o, extra, output_final_state,
+                                               offsets_in_out=True)
         return o, _caller_layout(final_state, output_final_state, state_v_first), kept
 
 

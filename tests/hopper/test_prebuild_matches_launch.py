@@ -221,6 +221,9 @@ def test_the_scan_runs_in_the_transitions_launch(recorder, monkeypatch, with_h0)
         if opted != "0":
             assert transitions[14].dtype == torch.int32 and transitions[14].shape == (transitions[11].shape[0], 8, 4)
             assert not transitions[14].any()  # (zero before the first call)
+            # The output pass starts from the states the scan CTAs wrote, and reads the truncation flags.
+            output = [a for name, a in recorder.calls if name == "build_state_output_roles"][0]
+            assert output[9] is transitions[11] and output[-1] is transitions[10]
     assert recorder.launched <= recorder.built, recorder.launched - recorder.built
 
 
